@@ -1,0 +1,167 @@
+"""The autotuner: find the fastest ``ub_cfgs`` for a live model in a few seconds of trial steps.
+
+Framework-agnostic: it needs the model (to find its TE overlap modules), a callable that runs one
+forward+backward step, and the arguments of the original ``initialize_ub`` call. The step callable
+must not keep its outputs (a live autograd graph holds communicators of the current config).
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+
+from .measure import SlotTimer, agree_max, cuda_event
+from .numerics import rel_diff
+from .presets import PRESETS
+from .report import build_report, render_summary, summary_rows
+from .search import Measurement, SearchOptions, SearchResult, Searcher, Trial, TrialFailed
+from .space import SpaceSpec, TuningConfig, all_off, build_space
+from .topology import OverlapModule, Topology, build_topology, find_overlap_modules
+from .ub_config import UbConfig
+from .ub_runtime import UbInitArgs, UbSwitcher
+from .validation import ValidationContext, check
+
+
+def rank0_print(*args: Any) -> None:
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
+        print(*args, flush=True)
+
+
+def device_sm_count() -> int | None:
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count if torch.cuda.is_available() else None
+
+
+@dataclass
+class TuneResult:
+    best: TuningConfig
+    search: SearchResult
+    topology: Topology
+    report: dict[str, Any]
+    summary: str
+    switches: int
+    wall_s: float
+
+
+@dataclass
+class Autotuner:
+    """Tune the userbuffers config of ``model`` in-process; the winner is left applied.
+
+    Args:
+        model: the model (or its chunks) built with TE modules that use userbuffers.
+        step_fn: runs one forward+backward step; returns nothing that holds the graph.
+        init_args: the original ``initialize_ub`` arguments (see ``ub_runtime.capture_initialize_ub``).
+        reference: the config the run would use without tuning (the user's; default: TE defaults).
+        options: search strategy and budgets.
+    """
+
+    model: torch.nn.Module | Sequence[torch.nn.Module]
+    step_fn: Callable[[], Any]
+    init_args: UbInitArgs
+    reference: UbConfig | None = None
+    options: SearchOptions = field(default_factory=SearchOptions)
+    space_spec: SpaceSpec = field(default_factory=SpaceSpec)
+    priors: Iterable[UbConfig] | None = None  # default: TE defaults + NeMo presets
+    group: Any = None  # process group whose ranks must agree (default: world)
+    log: Callable[..., None] = rank0_print
+    progress: Callable[[Trial, Searcher], None] | None = None
+    event_factory: Callable[[], Any] = cuda_event
+    timing_device: str = "cuda"
+    verify_fn: Callable[[], torch.Tensor] | None = None  # fingerprint of one step (numerics.Fingerprint)
+    verify_rtol: float = 2e-2  # bf16: relative L2 error against the no-overlap reference
+
+    def __post_init__(self) -> None:
+        self.modules: list[OverlapModule] = find_overlap_modules(self.model)
+        self.topology = build_topology(self.modules)
+        self.ctx = ValidationContext(fp8=self.init_args.fp8, sm_count=device_sm_count(), tp_size=self.init_args.tp_size)
+        ref = self.reference if self.reference is not None else UbConfig()
+        check(ref, self.ctx, "reference config")  # bad input fails here, before any GPU work
+        self.reference = ref
+        self.switcher = UbSwitcher(self.init_args, self.modules, barrier=self._barrier)
+        self._t0 = 0.0
+        self._ref_fp: torch.Tensor | None = None
+        self.numerics: dict[str, float] = {}
+
+    def _barrier(self) -> None:
+        import torch.distributed as dist
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier(group=self.group)
+
+    # One trial: switch, warm up, time `steps` steps, agree with the other ranks.
+    def evaluate(self, config: TuningConfig, steps: int, warmup: int) -> Measurement:
+        slots = list(self.topology.slots())
+        error = 0.0
+        per_slot: dict[str, list[float]] = {s: [math.nan] * steps for s in slots}
+        step_ms = [math.nan] * steps
+        timer = SlotTimer(self.modules, self.event_factory)
+        try:
+            self.switcher.apply(config)
+            for _ in range(warmup):
+                self.step_fn()
+            with timer:
+                for _ in range(steps):
+                    timer.begin_step()
+                    self.step_fn()
+                    timer.end_step()
+                if self.timing_device == "cuda":
+                    torch.cuda.synchronize()
+                per_slot, step_ms = timer.collect(slots)
+        except Exception as e:  # noqa: BLE001 - the other ranks must hear about it
+            error = 1.0
+            self.log(f"[tp-overlap-autotune] trial failed on this rank: {type(e).__name__}: {e}")
+        flat = [v for s in slots for v in per_slot[s]] + list(step_ms) + [time.perf_counter() - self._t0, error]
+        agreed = agree_max(flat, self.group, self.timing_device)
+        if agreed[-1] > 0:
+            raise TrialFailed(f"config failed on at least one rank: {config.describe()}")
+        n = len(slots) * steps
+        return Measurement(slot_ms={s: agreed[i * steps:(i + 1) * steps] for i, s in enumerate(slots)},
+                           step_ms=agreed[n:n + steps], elapsed_s=agreed[-2], steps_run=steps + warmup)
+
+    def verify(self, config: TuningConfig) -> str | None:
+        """None if ``config`` reproduces the no-overlap fingerprint within ``verify_rtol`` on every rank."""
+        if self.verify_fn is None:
+            return None
+        err = 0.0
+        try:
+            if self._ref_fp is None:
+                self.switcher.apply(all_off(self.topology, TuningConfig(self.reference or UbConfig())))
+                self._ref_fp = self.verify_fn()
+            self.switcher.apply(config)
+            err = rel_diff(self.verify_fn(), self._ref_fp)
+        except Exception as e:  # noqa: BLE001
+            self.log(f"[tp-overlap-autotune] numerics check raised: {type(e).__name__}: {e}")
+            err = math.inf
+        err = agree_max([err], self.group, self.timing_device)[0]
+        self.numerics[config.describe()] = err
+        return None if err <= self.verify_rtol else f"rel. error {err:.2e} > {self.verify_rtol:g} vs no overlap"
+
+    def tune(self) -> TuneResult:
+        t0 = time.perf_counter()
+        self._t0 = t0
+        priors = list(self.priors) if self.priors is not None else [UbConfig(), *PRESETS.values()]
+        space = build_space(self.topology, self.ctx, [self.reference, *priors], self.space_spec)
+        reference = TuningConfig(self.reference, frozenset(), "reference")
+        baselines = {"no overlap": all_off(self.topology, reference)}
+        if len(self.reference):
+            baselines["TE default"] = TuningConfig(UbConfig(), frozenset(), "TE default")
+        n_opts = sum(len(v) for v in space.values())
+        self.log(f"[tp-overlap-autotune] {len(self.modules)} overlap modules, slots: "
+                 + ", ".join(f"{s}({len(g)})" for s, g in self.topology.slots().items())
+                 + f"; {n_opts} options over {len(space)} GEMMs; strategy={self.options.strategy}, "
+                 f"budget {self.options.max_steps} steps / {self.options.max_seconds:.0f} s")
+        searcher = Searcher(self.topology, space, self.evaluate, self.ctx, self.options, self.progress,
+                            verify=self.verify if self.verify_fn is not None else None)
+        result = searcher.run(reference, baselines)
+        self.switcher.apply(result.best)
+        wall = time.perf_counter() - t0
+        meta = {"tp_size": self.init_args.tp_size, "shape": self.init_args.shape, "fp8": self.init_args.fp8,
+                "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                "strategy": self.options.strategy, "switches": self.switcher.reinits,
+                "reinit_s_median": sorted(self.switcher.reinit_seconds)[len(self.switcher.reinit_seconds) // 2] if self.switcher.reinit_seconds else None,
+                "wall_s": round(wall, 3), "numerics_rel_error": self.numerics, "space": {g: [o.label for o in opts] for g, opts in space.items()}}
+        report = build_report(result, self.topology, meta)
+        summary = render_summary(summary_rows(result, self.topology), result)
+        return TuneResult(result.best, result, self.topology, report, summary, self.switcher.reinits, wall)

@@ -1,0 +1,27 @@
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-tp-overlap",
+    version="0.1.0",
+    description="Autotune Transformer Engine tensor-parallel comm/GEMM overlap (userbuffers) for Megatron-LM",
+    long_description=Path(__file__).with_name("README.md").read_text(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_tp_overlap", "megatron_tp_overlap.*"]),
+    install_requires=[
+        "torch>=2.4",
+        "PyYAML>=6.0",
+        "rich>=13.0",
+        "omegaconf>=2.3",
+        "hydra-core>=1.3",
+        "matplotlib>=3.7",
+        "filelock>=3.12",
+    ],
+    extras_require={
+        "test": ["pytest>=7.4"],
+        # Needs CUDA to build/run; installed on GPU nodes only.
+        "te": ["transformer-engine[pytorch]>=2.20", "megatron-core>=0.19"],
+    },
+)

@@ -1,0 +1,150 @@
+"""CPU stand-ins for TE's userbuffers registry and TE modules, with a synthetic cost model.
+
+The fake modules carry TE's class names and flag attributes (what ``topology`` looks at) and run a
+custom autograd Function (what ``measure`` hooks). Their forward/backward *sleep* for a time given
+by :func:`gemm_cost_ms` of the live config, so the tuner has something real to measure on a CPU.
+"""
+from __future__ import annotations
+
+import time
+import types
+from typing import Any
+
+import torch
+
+from megatron_tp_overlap.ub_config import GemmOverlapConfig, UbConfig, parse_ub_cfgs, te_default
+
+
+class FakeTE:
+    """Replaces ``transformer_engine.pytorch.module.base`` for the switcher."""
+
+    def __init__(self) -> None:
+        self._ub_communicators: dict | None = None
+        self.calls: list[dict] = []
+        self.destroys = 0
+        self.cfg = UbConfig()
+
+    def is_ub_initialized(self) -> bool:
+        return self._ub_communicators is not None
+
+    def initialize_ub(self, shape, tp_size, ub_cfgs=None, **kw):
+        if self._ub_communicators is not None:
+            raise RuntimeError("UB communicators are already initialized.")
+        self.calls.append({"shape": shape, "tp_size": tp_size, "ub_cfgs": ub_cfgs, **kw})
+        self.cfg = parse_ub_cfgs(ub_cfgs if isinstance(ub_cfgs, dict) else (ub_cfgs or [{}])[0])
+        self._ub_communicators = {name: types.SimpleNamespace(name=name) for name in ("qkv_fprop", "fc1_fprop")}
+
+    def destroy_ub(self):
+        self._ub_communicators = None
+        self.destroys += 1
+
+
+STATE = FakeTE()
+
+
+def gemm_cost_ms(gemm: str, cfg: UbConfig, enabled: bool, tp: int = 2) -> float:
+    """Synthetic time of one GEMM + its communication. Optimum per GEMM is known:
+
+    - overlap off costs 1.0 ms; TE's default method costs 0.8 ms;
+    - pipeline/bulk: best at num_sm=8 (0.3 ms), worse away from it; pipeline also prefers 4 splits;
+    - ring_exchange with aggregate is best for all-gather GEMMs (0.4 ms vs 0.6 ms).
+    """
+    if not enabled:
+        return 1.0
+    c = (cfg.get(gemm) or GemmOverlapConfig()).merged_over(te_default(gemm, tp))
+    if c.method in ("pipeline", "bulk"):
+        cost = 0.3 + 0.02 * abs((c.num_sm or 16) - 8)
+        if c.method == "pipeline":
+            cost += 0.05 * abs((c.num_splits or 4) - 4)
+        return cost
+    if c.method == "ring_exchange":
+        return 0.4 if c.aggregate else 0.6
+    return 0.0  # external: free
+
+
+class _Sleep(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, fwd_ms, bwd_ms):
+        ctx.save_for_backward(x, w)
+        ctx.bwd_ms = bwd_ms
+        time.sleep(fwd_ms / 1e3)
+        return x @ w
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        time.sleep(ctx.bwd_ms() / 1e3)
+        return g @ w.t(), x.t() @ g, None, None
+
+
+class _FakeTEModule(torch.nn.Module):
+    gemms: dict[str, tuple[str, ...]] = {}
+    tp = 2
+
+    def __init__(self, hidden: int, scale: float):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.eye(hidden) + 0.01 * torch.randn(hidden, hidden))
+        self.scale = scale
+
+    def enabled(self, gemm: str) -> bool:
+        raise NotImplementedError
+
+    def _ms(self, phase: str) -> float:
+        return self.scale * sum(gemm_cost_ms(g, STATE.cfg, self.enabled(g), self.tp) for g in self.gemms[phase])
+
+    def forward(self, x):
+        return _Sleep.apply(x, self.weight, self._ms("fwd"), lambda: self._ms("bwd"))
+
+
+class LayerNormLinear(_FakeTEModule):
+    """Column-parallel (qkv / fc1)."""
+
+    def __init__(self, hidden: int, ub_name: str, scale: float = 1.0):
+        super().__init__(hidden, scale)
+        self.ub_name, self.parallel_mode = ub_name, "column"
+        self.ub_overlap_ag_fprop, self.ub_overlap_rs_dgrad = True, False
+        self.ub_bulk_dgrad, self.ub_bulk_wgrad = True, True
+        self.ub_overlap_rs_fprop = self.ub_overlap_ag_dgrad = False
+        n = ub_name
+        self.gemms = {"fwd": (f"{n}_fprop",), "bwd": (f"{n}_dgrad", f"{n}_wgrad")}
+
+    def enabled(self, g: str) -> bool:
+        if g.endswith("fprop"):
+            return self.ub_overlap_ag_fprop
+        if g.endswith("dgrad"):
+            return self.ub_bulk_dgrad or self.ub_overlap_rs_dgrad
+        return self.ub_bulk_wgrad
+
+
+class Linear(_FakeTEModule):
+    """Row-parallel (proj / fc2)."""
+
+    def __init__(self, hidden: int, ub_name: str, scale: float = 1.0):
+        super().__init__(hidden, scale)
+        self.ub_name, self.parallel_mode = ub_name, "row"
+        self.ub_overlap_rs_fprop, self.ub_overlap_ag_dgrad = True, True
+        self.ub_overlap_ag_fprop = self.ub_overlap_rs_dgrad = self.ub_bulk_dgrad = self.ub_bulk_wgrad = False
+        n = ub_name
+        self.gemms = {"fwd": (f"{n}_fprop",), "bwd": (f"{n}_dgrad", f"{n}_wgrad")}
+
+    def enabled(self, g: str) -> bool:
+        return self.ub_overlap_rs_fprop if g.endswith("fprop") else self.ub_overlap_ag_dgrad
+
+
+class Block(torch.nn.Module):
+    def __init__(self, hidden: int, scale: float = 1.0):
+        super().__init__()
+        self.qkv, self.proj = LayerNormLinear(hidden, "qkv", scale), Linear(hidden, "proj", scale)
+        self.fc1, self.fc2 = LayerNormLinear(hidden, "fc1", scale), Linear(hidden, "fc2", scale)
+
+    def forward(self, x):
+        return self.fc2(self.fc1(self.proj(self.qkv(x)))) + x
+
+
+def fake_model(layers: int = 2, hidden: int = 8, scale: float = 1.0) -> torch.nn.Module:
+    return torch.nn.Sequential(*[Block(hidden, scale) for _ in range(layers)])
+
+
+def fake_init_args(tp: int = 2) -> Any:
+    from megatron_tp_overlap.ub_runtime import UbInitArgs
+    return UbInitArgs(shape=[64, 8], tp_size=tp, dtype="bf16", bootstrap_backend="nccl")
