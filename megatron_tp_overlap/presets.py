@@ -94,9 +94,7 @@ def closest_preset(hidden: int, tp_size: int, fp8: bool, gpu: str = "h100") -> s
     gpu = "b200" if "b200" in gpu.lower() else "h100"
 
     def score(name: str) -> tuple:
-        parts = name.split("_")
-        h = int(next(p[1:] for p in parts if p.startswith("h") and p[1:].isdigit()))
-        tp = int(next(p[2:] for p in parts if p.startswith("tp") and p[2:].isdigit()))
-        return (parts[1] != dtype, "lora" in name, abs(h - hidden), abs(tp - tp_size), parts[2] != gpu)
+        _, dt, dev, h, tp, *_ = name.split("_")  # userbuffers_bf16_h100_h8192_tp4_...
+        return (dt != dtype, "lora" in name, dev != gpu, abs(int(h[1:]) - hidden), abs(int(tp[2:]) - tp_size))
 
     return min(NEMO_PRESETS, key=score)

@@ -262,7 +262,9 @@ class Searcher:
         samples: dict[Option, list[float]] = {}
         self._measure_options("screen", incumbent, options, o.screen_steps, samples, confirm_cost)
 
-        # 2. successive halving: the best `keep` per GEMM that look better than the incumbent.
+        # 2. successive halving: the best `keep` per GEMM (by screening) that look better than the
+        #    incumbent are measured again; the decision uses only these fresh samples, so picking the
+        #    luckiest of many noisy screenings (the winner's curse) does not decide by itself.
         self._run("baseline", incumbent, {"*": "incumbent"}, o.halving_steps)
         survivors: list[Option] = []
         for gemm in self.space:
@@ -271,27 +273,28 @@ class Searcher:
                 inc = self._incumbent_scores(incumbent, opt)
                 if inc and statistics.median(samples[opt]) < statistics.median(inc):
                     survivors.append(opt)
-        self._measure_options("halving", incumbent, survivors, o.halving_steps, samples, confirm_cost)
+        fresh: dict[Option, list[float]] = {}
+        self._measure_options("halving", incumbent, survivors, o.halving_steps, fresh, confirm_cost)
 
-        # 3. per GEMM: the best option, kept if it beats the incumbent by more than the noise.
-        groups = [v for v in samples.values()] + [v for d in self._slot_samples.values() for v in d.values()]
+        # 3. per GEMM: the best survivor, kept if it beats the incumbent by more than the noise.
+        groups = [v for v in {**samples, **fresh}.values()] + [v for d in self._slot_samples.values() for v in d.values()]
         sigma = pooled_sigma(groups)
         choices: dict[str, dict] = {}
         accepted_opts: dict[str, Option] = {}
         combined = incumbent
         for gemm in self.space:
-            cands = [opt for opt in samples if opt.gemm == gemm and len(samples[opt]) >= 1]
+            cands = [opt for opt in fresh if opt.gemm == gemm]
             if not cands:
                 continue
-            best = min(cands, key=lambda x: statistics.median(samples[x]))
+            best = min(cands, key=lambda x: statistics.median(fresh[x]))
             inc = self._incumbent_scores(incumbent, best)
             if not inc:
                 continue
-            gain, thr = significant_gain(inc, samples[best], sigma, o.z, o.rel_floor)
+            gain, thr = significant_gain(inc, fresh[best], sigma, o.z, o.rel_floor)
             accepted = gain > thr
             choices[gemm] = {"option": best.label, "gain_ms": round(gain, 4), "noise_ms": round(thr, 4),
                              "accepted": accepted, "slot": ",".join(sorted(self._slots_of(best))),
-                             "samples": len(samples[best])}
+                             "samples": len(fresh[best])}
             if accepted:
                 trial = apply(combined, best, self.topo)
                 if is_valid(trial, self.ctx):

@@ -40,6 +40,7 @@ class FakeTE:
 
 
 STATE = FakeTE()
+PENALTY_MS: dict[tuple[str, str, int], float] = {}  # (gemm, method, num_sm) -> extra ms on this process
 
 
 def gemm_cost_ms(gemm: str, cfg: UbConfig, enabled: bool, tp: int = 2) -> float:
@@ -52,6 +53,11 @@ def gemm_cost_ms(gemm: str, cfg: UbConfig, enabled: bool, tp: int = 2) -> float:
     if not enabled:
         return 1.0
     c = (cfg.get(gemm) or GemmOverlapConfig()).merged_over(te_default(gemm, tp))
+    extra = PENALTY_MS.get((gemm, c.method, c.num_sm), 0.0)
+    return extra + _base_cost(c)
+
+
+def _base_cost(c: GemmOverlapConfig) -> float:
     if c.method in ("pipeline", "bulk"):
         cost = 0.3 + 0.02 * abs((c.num_sm or 16) - 8)
         if c.method == "pipeline":

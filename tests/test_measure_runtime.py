@@ -1,0 +1,130 @@
+import math
+
+import pytest
+import torch
+
+import fakes
+from megatron_tp_overlap import ub_runtime
+from megatron_tp_overlap.atomic import atomic_write_text
+from megatron_tp_overlap.errors import StaleCommunicatorError
+from megatron_tp_overlap.measure import HostEvent, SlotTimer, agree_max, module_node
+from megatron_tp_overlap.numerics import Fingerprint, rel_diff
+from megatron_tp_overlap.space import TuningConfig
+from megatron_tp_overlap.topology import build_topology, find_overlap_modules
+from megatron_tp_overlap.ub_config import GemmOverlapConfig, UbConfig
+
+
+@pytest.fixture
+def fake_te(monkeypatch):
+    te = fakes.FakeTE()
+    monkeypatch.setattr(fakes, "STATE", te)
+    monkeypatch.setattr(ub_runtime, "_te_base", lambda: te)
+    return te
+
+
+def test_slot_timer_times_forward_and_backward_of_every_module(fake_te):
+    model = fakes.fake_model(layers=2, scale=1.0)
+    mods = find_overlap_modules(model)
+    slots = list(build_topology(mods).slots())
+    x = torch.randn(4, 8, requires_grad=True)
+    with SlotTimer(mods, HostEvent) as timer:
+        for _ in range(3):
+            timer.begin_step()
+            model(x).sum().backward()
+            timer.end_step()
+        per_slot, step = timer.collect(slots)
+    assert len(step) == 3 and all(s > 0 for s in step)
+    for s in slots:
+        assert len(per_slot[s]) == 3 and all(v > 0 for v in per_slot[s]), s
+    # forward of qkv: 2 layers x 0.6 ms (TE default ring_exchange) of sleep, at least
+    assert min(per_slot["qkv.fwd"]) >= 1.2
+    # backward hooks wrap the module's own autograd node: its sleep is inside the interval
+    assert min(per_slot["qkv.bwd"]) >= 2 * (0.3 + 0.02 * 8 + 0.3 + 0.02 * 8)
+    assert sum(per_slot[s][0] for s in slots) <= step[0]
+    assert not timer.handles  # detached on exit
+
+
+def test_no_timing_outside_steps_and_missing_backward_is_nan(fake_te):
+    model = fakes.fake_model(layers=1)
+    mods = find_overlap_modules(model)
+    with SlotTimer(mods, HostEvent) as timer:
+        model(torch.randn(2, 8))  # outside a step: nothing recorded
+        timer.begin_step()
+        with torch.no_grad():
+            model(torch.randn(2, 8))
+        timer.end_step()
+        per_slot, _ = timer.collect(["qkv.fwd", "qkv.bwd"])
+    assert per_slot["qkv.fwd"][0] > 0 and math.isnan(per_slot["qkv.bwd"][0])
+
+
+def test_module_node_sees_through_views():
+    lin = fakes.LayerNormLinear(8, "qkv")
+    y = lin(torch.randn(2, 8, requires_grad=True)).view(16)
+    assert isinstance(module_node(y), torch.autograd.function.BackwardCFunction)
+
+
+def test_agree_max_without_distributed_is_identity():
+    assert agree_max([1.0, float("nan")])[0] == 1.0
+
+
+def test_switcher_reinitializes_only_when_ub_cfgs_change(fake_te):
+    model = fakes.fake_model(layers=2)
+    mods = find_overlap_modules(model)
+    sw = ub_runtime.UbSwitcher(fakes.fake_init_args(tp=4), mods)
+    cfg = UbConfig().with_entry("fc2_fprop", GemmOverlapConfig(method="pipeline", num_sm=8))
+    assert sw.apply(TuningConfig(cfg)) is True
+    assert fake_te.calls[-1]["ub_cfgs"] == {"fc2_fprop": {"method": "pipeline", "num_sm": 8}}
+    assert fake_te.calls[-1]["shape"] == [64, 8] and fake_te.calls[-1]["tp_size"] == 4
+    assert fake_te.calls[-1]["bootstrap_backend"] == "nccl"
+    assert sw.apply(TuningConfig(cfg, frozenset({"qkv_fprop"}))) is False  # flags only
+    assert all(not m.module.ub_overlap_ag_fprop for m in mods if m.name == "qkv")
+    assert all(m.module.ub_overlap_ag_fprop for m in mods if m.name == "fc1")
+    sw.apply(TuningConfig(UbConfig()))
+    assert sw.reinits == 2 and fake_te.destroys == 1
+    sw.restore_built_flags()
+    assert all(m.module.ub_overlap_ag_fprop for m in mods if m.name == "qkv")
+
+
+def test_switcher_refuses_while_an_old_communicator_is_referenced(fake_te):
+    sw = ub_runtime.UbSwitcher(fakes.fake_init_args(), find_overlap_modules(fakes.fake_model(layers=1)))
+    sw.apply(TuningConfig(UbConfig()))
+    held = fake_te._ub_communicators["qkv_fprop"]  # e.g. an autograd ctx of the last step
+    with pytest.raises(StaleCommunicatorError, match="still referenced"):
+        sw.apply(TuningConfig(UbConfig().with_entry("fc2_fprop", GemmOverlapConfig(method="ring_exchange"))))
+    assert fake_te.destroys == 0  # nothing was torn down
+    del held
+    sw.apply(TuningConfig(UbConfig().with_entry("fc2_fprop", GemmOverlapConfig(method="ring_exchange"))))
+    assert fake_te.destroys == 1
+
+
+def test_capture_initialize_ub(fake_te):
+    with ub_runtime.capture_initialize_ub() as calls:
+        fake_te.initialize_ub(shape=[128, 16], tp_size=2, ub_cfgs={}, bootstrap_backend="gloo")
+    assert calls and calls[0].shape == [128, 16] and calls[0].bootstrap_backend == "gloo"
+    assert fake_te.initialize_ub.__name__ == "initialize_ub"  # restored
+
+
+def test_fingerprint_detects_wrong_numbers():
+    fp = Fingerprint()
+    a = torch.randn(64, 32)
+    assert rel_diff(fp([a]), fp([a])) == 0.0
+    assert rel_diff(fp([a + 1e-3 * torch.randn(64, 32)]), fp([a])) < 5e-3
+    assert rel_diff(fp([a[torch.randperm(64)]]), fp([a])) > 0.2
+    assert rel_diff(fp([-a]), fp([a])) > 0.2
+    assert rel_diff(fp([a * float("nan")]), fp([a])) == math.inf
+    assert rel_diff(fp([a, None]), fp([a])) == math.inf
+
+
+def test_atomic_write_backs_up_and_never_leaves_half_a_file(tmp_path, monkeypatch):
+    p = tmp_path / "out" / "tuned.yaml"
+    assert atomic_write_text(p, "a: 1\n") is None
+    bak = atomic_write_text(p, "a: 2\n", backup=True)
+    assert p.read_text() == "a: 2\n" and bak.read_text() == "a: 1\n"
+    import os
+    def boom(*a):
+        raise OSError("disk full")
+    monkeypatch.setattr(os, "replace", boom)
+    with pytest.raises(OSError):
+        atomic_write_text(p, "a: 3\n")
+    assert p.read_text() == "a: 2\n"
+    assert sorted(x.name for x in p.parent.iterdir()) == ["tuned.yaml", "tuned.yaml.bak"]

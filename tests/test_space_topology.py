@@ -1,0 +1,100 @@
+import torch
+
+import fakes
+from megatron_tp_overlap.space import Option, SpaceSpec, TuningConfig, all_off, apply, build_space, effective_key, is_valid
+from megatron_tp_overlap.topology import build_topology, find_overlap_modules, te_kind
+from megatron_tp_overlap.ub_config import GemmOverlapConfig, UbConfig
+from megatron_tp_overlap.validation import ValidationContext
+
+CTX = ValidationContext(sm_count=132, tp_size=2)
+
+
+class LayerNormMLP(torch.nn.Module):  # a fused fc1+fc2 module, like te.LayerNormMLP
+    def __init__(self):
+        super().__init__()
+        self.ub_overlap_ag = self.ub_overlap_rs = self.ub_bulk_dgrad = self.ub_bulk_wgrad = True
+        self.ub_overlap_rs_dgrad = False
+
+
+def topo():
+    return build_topology(find_overlap_modules(fakes.fake_model(layers=3)))
+
+
+def test_discovery_and_slots():
+    mods = find_overlap_modules(fakes.fake_model(layers=3))
+    assert len(mods) == 12 and {m.kind for m in mods} == {"column", "row"}
+    t = build_topology(mods)
+    assert t.layers == 3 and not t.fused_mlp
+    assert t.slots()["qkv.bwd"] == ("qkv_dgrad", "qkv_wgrad")
+    assert t.slots()["proj.fwd"] == ("proj_fprop",)
+    assert t.coupled("proj_dgrad") == {"proj_dgrad", "proj_wgrad"}
+    assert not t.tunable("proj_wgrad") and t.tunable("proj_dgrad")
+
+
+def test_fused_mlp_couples_fc1_fprop_with_fc2_dgrad():
+    m = torch.nn.ModuleDict({"qkv": fakes.LayerNormLinear(8, "qkv"), "mlp": LayerNormMLP()})
+    mods = find_overlap_modules(m)
+    assert te_kind(m["mlp"]) == "mlp"
+    t = build_topology(mods)
+    assert t.fused_mlp and t.slots()["mlp.fwd"] == ("fc1_fprop", "fc2_fprop")
+    assert t.coupled("fc1_fprop") == {"fc1_fprop", "fc2_dgrad", "fc2_wgrad"}
+    mlp = next(x for x in mods if x.kind == "mlp")
+    flags = mlp.flags_for(UbConfig(), mlp.active_gemms() - {"fc2_fprop"})
+    assert flags == {"ub_overlap_ag": True, "ub_overlap_rs": False, "ub_overlap_rs_dgrad": False,
+                     "ub_bulk_dgrad": True, "ub_bulk_wgrad": True}
+
+
+def test_flags_follow_dgrad_mode():
+    (qkv,) = [m for m in find_overlap_modules(fakes.fake_model(layers=1)) if m.name == "qkv"]
+    rs = UbConfig().with_entry("qkv_dgrad", GemmOverlapConfig(method="ring_exchange"))
+    assert qkv.flags_for(rs, qkv.active_gemms()) == {"ub_overlap_ag_fprop": True, "ub_overlap_rs_dgrad": True,
+                                                      "ub_bulk_dgrad": False, "ub_bulk_wgrad": False}
+    assert qkv.flags_for(UbConfig(), set())["ub_bulk_dgrad"] is False
+
+
+def test_modules_without_overlap_are_ignored():
+    lin = fakes.Linear(8, "proj")
+    lin.ub_overlap_rs_fprop = lin.ub_overlap_ag_dgrad = False
+    assert find_overlap_modules(torch.nn.Sequential(lin)) == []
+    assert te_kind(torch.nn.Linear(2, 2)) is None
+
+
+def test_space_is_valid_deduplicated_and_has_off():
+    t = topo()
+    space = build_space(t, CTX, [UbConfig()])
+    assert set(space) == {g for g in t.active if t.tunable(g)}
+    for gemm, opts in space.items():
+        keys = [effective_key(o, CTX) for o in opts]
+        assert len(keys) == len(set(keys)), gemm
+        assert any(not o.enabled for o in opts)
+        assert all(is_valid(apply(TuningConfig(), o, t), CTX) for o in opts)
+    # TE default (no entry) and an explicit ring_exchange without aggregate are the same option.
+    ring = [o for o in space["qkv_fprop"] if o.enabled]
+    assert len(ring) == 3
+    assert "proj_wgrad" not in space
+
+
+def test_space_respects_sm_count_and_spec():
+    t = topo()
+    small = build_space(t, ValidationContext(sm_count=8, tp_size=2), [], SpaceSpec(include_off=False))
+    assert all((o.cfg.num_sm or 0) <= 8 for opts in small.values() for o in opts if o.cfg)
+    assert all(o.enabled for opts in small.values() for o in opts)
+
+
+def test_presets_seed_the_space():
+    t = topo()
+    prior = UbConfig().with_entry("fc2_fprop", GemmOverlapConfig(method="pipeline", num_sm=20, num_splits=3, cga_size=2, set_sm_margin=True))
+    space = build_space(t, CTX, [prior])
+    assert space["fc2_fprop"][0].cfg.num_sm == 20
+
+
+def test_apply_rs_dgrad_drops_wgrad_entry_and_off_is_coupled():
+    t = topo()
+    c = apply(TuningConfig(UbConfig().with_entry("qkv_wgrad", GemmOverlapConfig(method="bulk", num_sm=4))),
+              Option("qkv_dgrad", GemmOverlapConfig(method="ring_exchange")), t)
+    assert "qkv_wgrad" not in c.ub and is_valid(c, CTX)
+    off = apply(TuningConfig(), Option("proj_dgrad", enabled=False), t)
+    assert off.disabled == {"proj_dgrad", "proj_wgrad"}
+    back = apply(off, Option("proj_dgrad", None), t)
+    assert back.disabled == frozenset()
+    assert all_off(t, TuningConfig()).disabled == t.active

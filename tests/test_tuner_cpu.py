@@ -1,0 +1,101 @@
+"""The Autotuner end to end on CPU: fake TE modules that sleep per the live config, HostEvent timers,
+and (for rank agreement) 2 processes over gloo."""
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import fakes
+from megatron_tp_overlap import ub_runtime
+from megatron_tp_overlap.errors import ConfigError
+from megatron_tp_overlap.measure import HostEvent
+from megatron_tp_overlap.numerics import Fingerprint
+from megatron_tp_overlap.report import write_report
+from megatron_tp_overlap.search import SearchOptions
+from megatron_tp_overlap.tuner import Autotuner
+from megatron_tp_overlap.ub_config import GemmOverlapConfig, UbConfig
+
+
+def make_tuner(layers=1, scale=3.0, **kw):
+    model = fakes.fake_model(layers=layers, scale=scale)
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def step():
+        model(x).sum().backward()
+
+    fp = Fingerprint()
+
+    def fingerprint():
+        model.zero_grad(set_to_none=True)
+        y = model(x)
+        y.sum().backward()
+        return fp([y, *(p.grad for p in model.parameters())])
+
+    kw.setdefault("options", SearchOptions(max_seconds=120, max_steps=5000))
+    return Autotuner(model, step, fakes.fake_init_args(), event_factory=HostEvent, timing_device="cpu",
+                     verify_fn=fingerprint, log=lambda *a: None, **kw), model
+
+
+@pytest.fixture
+def fake_te(monkeypatch):
+    te = fakes.FakeTE()
+    monkeypatch.setattr(fakes, "STATE", te)
+    monkeypatch.setattr(ub_runtime, "_te_base", lambda: te)
+    return te
+
+
+def test_autotuner_finds_the_designed_optimum_and_leaves_it_applied(fake_te, tmp_path):
+    tuner, model = make_tuner()
+    res = tuner.tune()
+    best = res.best
+    # fakes.gemm_cost_ms: aggregate ring_exchange is best for AG GEMMs, num_sm=8 for bulk/pipeline
+    for g in ("qkv_fprop", "fc1_fprop", "proj_dgrad", "fc2_dgrad"):
+        assert best.ub.get(g).aggregate is True, g
+    for g in ("qkv_dgrad", "qkv_wgrad", "fc1_dgrad", "fc1_wgrad"):
+        assert best.ub.get(g).num_sm == 8, g
+    assert not best.disabled
+    assert res.search.best_name == "autotuned"
+    assert fake_te.cfg == best.ub  # the winner is live
+    assert res.switches == tuner.switcher.reinits >= 10
+    rep = res.report
+    assert {"meta", "decision", "trials", "summary", "per_gemm_choices", "contenders"} <= set(rep)
+    assert rep["trials"][0]["phase"] == "baseline" and any(t["phase"] == "confirm" for t in rep["trials"])
+    assert "step" in res.summary and "reference ms" in res.summary
+    write_report(tmp_path / "r.json", rep)
+    assert json.loads((tmp_path / "r.json").read_text())["decision"]["chosen"] == "autotuned"
+
+
+def test_bad_reference_config_fails_before_any_step(fake_te):
+    bad = UbConfig().with_entry("qkv_fprop", GemmOverlapConfig(method="pipeline"))
+    with pytest.raises(ConfigError, match="qkv_fprop.method"):
+        make_tuner(reference=bad)
+    assert fake_te.calls == []
+
+
+def _rank_main(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    te = fakes.FakeTE()
+    fakes.STATE = te
+    ub_runtime._te_base = lambda: te
+    torch.manual_seed(0)
+    if rank == 1:  # this rank alone would prefer a different num_sm for the bulk GEMMs
+        for g in ("qkv_dgrad", "qkv_wgrad", "fc1_dgrad", "fc1_wgrad"):
+            fakes.PENALTY_MS[(g, "bulk", 8)] = 0.6
+    tuner, _ = make_tuner(scale=2.0, options=SearchOptions(max_seconds=60, max_steps=3000))
+    res = tuner.tune()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"best": res.best.to_dict(), "trials": len(res.search.trials),
+                   "choices": {g: c["option"] for g, c in res.search.choices.items()}}, f)
+    dist.destroy_process_group()
+
+
+def test_ranks_agree_over_gloo(tmp_path):
+    mp.start_processes(_rank_main, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True, start_method="spawn")
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r0 == r1
+    # MAX over ranks: rank 1's penalty on num_sm=8 is seen by both, so neither picks it
+    for g in ("qkv_dgrad", "fc1_dgrad"):
+        assert r0["best"]["ub_cfgs"].get(g, {}).get("num_sm") != 8
