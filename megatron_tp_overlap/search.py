@@ -363,7 +363,7 @@ class Searcher:
                     continue
                 t = self._run("confirm", c.config, {"*": c.name}, o.confirm_steps)
                 c.samples.extend(t.step_samples)
-        measured = [c for c in cont if c.samples]
+        measured = [c for c in cont if c.samples and c.name not in self.report_only]
         if not measured:
             raise TrialFailed("no config could be measured (every trial failed)")
         sigma = pooled_sigma([t.step_samples for t in self.trials if t.phase == "confirm" and t.step_samples])
@@ -391,6 +391,8 @@ class Searcher:
         return SearchResult(best=TuningConfig(winner.config.ub, winner.config.disabled, winner.name), best_name=winner.name,
                             reason=reason, trials=self.trials, contenders=cont, choices=choices, noise_ms=noise,
                             steps_run=self.steps_run, elapsed_s=self.elapsed_s, budget_hit=self.budget_hit)
+
+    report_only: frozenset[str] = frozenset()  # contenders measured for the report but never chosen
 
     def run(self, reference: TuningConfig, baselines: dict[str, TuningConfig]) -> SearchResult:
         if self.opt.strategy == "exhaustive":

@@ -72,6 +72,7 @@ class Autotuner:
     timing_device: str = "cuda"
     verify_fn: Callable[[], torch.Tensor] | None = None  # fingerprint of one step (numerics.Fingerprint)
     verify_rtol: float = 2e-2  # bf16: relative L2 error against the no-overlap reference
+    allow_overlap_off: bool = True  # False: "no overlap" is measured for the report but never chosen
 
     def __post_init__(self) -> None:
         self.modules: list[OverlapModule] = find_overlap_modules(self.model)
@@ -154,6 +155,8 @@ class Autotuner:
                  f"budget {self.options.max_steps} steps / {self.options.max_seconds:.0f} s")
         searcher = Searcher(self.topology, space, self.evaluate, self.ctx, self.options, self.progress,
                             verify=self.verify if self.verify_fn is not None else None)
+        if not self.allow_overlap_off:
+            searcher.report_only = frozenset({"no overlap"})
         result = searcher.run(reference, baselines)
         self.switcher.apply(result.best)
         wall = time.perf_counter() - t0

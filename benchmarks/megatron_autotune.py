@@ -1,0 +1,110 @@
+"""GPU acceptance of --tp-comm-overlap-autotune on Megatron-LM's own pretrain_gpt.py (core_v0.19.0).
+
+    python benchmarks/megatron_autotune.py --script .megatron-lm/pretrain_gpt.py --gpus 2 --tp 2 \\
+        --runs autotune,tuned_yaml,te_default,no_overlap --out DIR
+
+Each run is ``torchrun -m megatron_tp_overlap.run <script> <args>`` (mock data, bf16, GPT with
+4 layers, hidden 4096, ffn 14336, 32 heads / 8 KV groups, seq 8192, 4 micro-batches of 1). Exact
+per-iteration losses come from MEGATRON_TP_OVERLAP_LOSS_LOG; iteration times from Megatron's log.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def model_args(a) -> list[str]:
+    return ["--tensor-model-parallel-size", str(a.tp), "--pipeline-model-parallel-size", str(a.pp), "--sequence-parallel",
+            "--num-layers", str(a.layers), "--hidden-size", str(a.hidden), "--ffn-hidden-size", str(a.ffn),
+            "--num-attention-heads", str(a.heads), "--group-query-attention", "--num-query-groups", str(a.kv_groups),
+            "--seq-length", str(a.seq), "--max-position-embeddings", str(a.seq), "--micro-batch-size", "1",
+            "--global-batch-size", str(a.global_batch), "--train-iters", str(a.iters), "--lr", "1e-4", "--min-lr", "1e-5",
+            "--lr-decay-style", "cosine", "--lr-warmup-iters", "2", "--bf16", "--mock-data", "--tokenizer-type", "NullTokenizer",
+            "--vocab-size", "32000", "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+            "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--no-gradient-accumulation-fusion",
+            "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000000", "--transformer-impl", "transformer_engine",
+            "--seed", "1234", "--attention-backend", "auto"]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--script", required=True)
+    p.add_argument("--gpus", type=int, default=2)
+    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--ffn", type=int, default=14336)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-groups", type=int, default=8)
+    p.add_argument("--seq", type=int, default=8192)
+    p.add_argument("--global-batch", type=int, default=4)
+    p.add_argument("--iters", type=int, default=25)
+    p.add_argument("--budget-s", type=float, default=60)
+    p.add_argument("--runs", default="autotune,tuned_yaml,te_default,no_overlap")
+    p.add_argument("--tag", default="")
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    a = p.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tag = a.tag or f"tp{a.tp}pp{a.pp}"
+    tuned = out / f"megatron_{tag}_tuned.yaml"
+    extra = {
+        "autotune": ["--tp-comm-overlap", "--tp-comm-overlap-autotune", "--tp-comm-overlap-autotune-output", str(tuned),
+                     "--tp-comm-overlap-autotune-seconds", str(a.budget_s)],
+        "tuned_yaml": ["--tp-comm-overlap", "--tp-comm-overlap-cfg", str(tuned)],
+        "te_default": ["--tp-comm-overlap"],
+        "no_overlap": [],
+    }
+    results = {}
+    for run in a.runs.split(","):
+        loss_log = out / f"losses_{tag}_{run}"
+        for f in out.glob(loss_log.name + ".rank*"):
+            f.unlink()
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={a.gpus}", "-m", "megatron_tp_overlap.run",
+               a.script, *model_args(a), *extra[run]]
+        env = {**os.environ, "MEGATRON_TP_OVERLAP_LOSS_LOG": str(loss_log)}
+        t0 = time.time()
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        wall = time.time() - t0
+        log = proc.stdout + proc.stderr
+        (out / f"log_{tag}_{run}.txt").write_text("\n".join(l for l in log.splitlines() if not l.startswith("!!! [UB")))
+        times = [float(x) for x in re.findall(r"elapsed time per iteration \(ms\): ([0-9.]+)", log)]
+        losses = []
+        for f in sorted(out.glob(loss_log.name + ".rank*")):
+            losses = [json.loads(l) for l in f.read_text().splitlines()]
+        steady = times[5:] if len(times) > 8 else times
+        results[run] = {"rc": proc.returncode, "wall_s": round(wall, 1), "iter_ms": times,
+                        "iter_ms_median": round(statistics.median(steady), 2) if steady else None,
+                        "iter_ms_spread": round(max(steady) - min(steady), 2) if steady else None,
+                        "losses": [l.get("lm loss") for l in losses]}
+        print(f"[{tag}] {run}: rc={proc.returncode} wall {wall:.0f}s iter median {results[run]['iter_ms_median']} ms "
+              f"losses {results[run]['losses'][:3]}", flush=True)
+        if proc.returncode != 0:
+            print("\n".join(log.splitlines()[-40:]), flush=True)
+    if "autotune" in results and "tuned_yaml" in results:
+        la, lb = results["autotune"]["losses"][:20], results["tuned_yaml"]["losses"][:20]
+        results["losses_equal_first_20"] = bool(la) and la == lb
+    report = out / f"megatron_{tag}_tuned.report.json"
+    if report.exists():
+        r = json.loads(report.read_text())
+        results["tuning"] = {"decision": r["decision"], "wall_s": r["meta"]["wall_s"], "switches": r["meta"]["switches"],
+                             "summary": r["summary"]}
+    (out / f"megatron_{tag}.json").write_text(json.dumps(results, indent=1))
+    print(f"\n| {tag} | run | iter ms (median, iters 6+) | spread | rc |\n|---|---|---|---|---|")
+    for k, v in results.items():
+        if isinstance(v, dict) and "rc" in v:
+            print(f"| {tag} | {k} | {v['iter_ms_median']} | {v['iter_ms_spread']} | {v['rc']} |")
+    if "losses_equal_first_20" in results:
+        print(f"first 20 losses, autotune vs tuned YAML: {'bitwise equal' if results['losses_equal_first_20'] else 'DIFFERENT'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Framework integrations. Each module imports its framework lazily, so the package imports without it."""

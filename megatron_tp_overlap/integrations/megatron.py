@@ -1,0 +1,422 @@
+"""Megatron-LM integration: ``--tp-comm-overlap-autotune`` (megatron-core 0.19; all Megatron-version
+specific code lives in this module).
+
+Megatron has no callback registry, so :func:`install` patches three module attributes:
+
+- ``megatron.training.arguments.parse_args``: chains our flags into Megatron's own parser (whatever
+  ``extra_args_provider`` the script passes) and rejects bad combinations before any GPU work;
+- ``megatron.training.training.train``: runs :class:`TPOverlapAutotuneCallback` after model and
+  optimizer setup and before the first iteration, then calls the original ``train``;
+- ``megatron.core.datasets.utils.compile_helpers``: skips ``make`` when the compiled dataset
+  helpers are importable (a pip-installed megatron-core ships them but not the Makefile).
+
+Trial steps go through Megatron's own ``forward_backward_func`` on micro-batches read ahead from the
+real training iterator and handed back to it (the main loop sees the same batches in the same
+order); no optimizer step; gradients zeroed; RNG states (incl. the TP RNG tracker) and TE FP8
+metadata restored; iteration, LR schedule and consumed samples are never touched.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import random
+import time
+from collections import deque
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+from ..atomic import atomic_write_text
+from ..errors import ConfigError
+
+FLAG = "--tp-comm-overlap-autotune"
+
+
+# ---------------------------------------------------------------------------------------------
+# Flags (pure: CPU-testable without Megatron)
+# ---------------------------------------------------------------------------------------------
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Megatron ``extra_args_provider``: the autotune flags."""
+    g = parser.add_argument_group("tp-comm-overlap autotune (megatron-tp-overlap)")
+    g.add_argument(FLAG, action="store_true",
+                   help="Tune the userbuffers config (ub_cfgs) on the real model before the first iteration, "
+                        "apply it, and write it as a --tp-comm-overlap-cfg YAML.")
+    g.add_argument(f"{FLAG}-steps", type=int, default=400, help="Budget: trial steps (warmups included).")
+    g.add_argument(f"{FLAG}-seconds", type=float, default=60.0, help="Budget: wall seconds of tuning.")
+    g.add_argument(f"{FLAG}-strategy", choices=["coordinate", "exhaustive"], default="coordinate")
+    g.add_argument(f"{FLAG}-output", type=str, default=None,
+                   help="Tuned YAML path (default: next to --tp-comm-overlap-cfg, else in --save, else ./).")
+    g.add_argument(f"{FLAG}-reuse", action="store_true",
+                   help="Reuse the YAML at the output path if it was tuned for the same GPU, TP, shape, dtype and TE version.")
+    g.add_argument(f"{FLAG}-allow-off", action="store_true",
+                   help="Also consider switching a GEMM's overlap off (a module flag the YAML cannot express).")
+    g.add_argument(f"{FLAG}-rtol", type=float, default=2e-2,
+                   help="Numerics guard: max relative error of loss/gradient fingerprints vs no overlap.")
+    return parser
+
+
+def check_arguments(args: argparse.Namespace, te_available: bool = True) -> list[str]:
+    """Problems with the flag combination (empty when fine). Checked before any GPU work."""
+    if not getattr(args, "tp_comm_overlap_autotune", False):
+        return []
+    p = []
+    if not getattr(args, "tp_comm_overlap", False):
+        p.append(f"{FLAG} needs --tp-comm-overlap (it tunes TE's userbuffers overlap)")
+    if not getattr(args, "sequence_parallel", False):
+        p.append(f"{FLAG} needs --sequence-parallel (userbuffers overlap the sequence-parallel all-gather/reduce-scatter)")
+    tp = getattr(args, "tensor_model_parallel_size", 1)
+    if tp < 2:
+        p.append(f"{FLAG} needs --tensor-model-parallel-size >= 2 (got {tp}): there is no TP communication to overlap")
+    if getattr(args, "transformer_impl", "transformer_engine") != "transformer_engine" or not te_available:
+        p.append(f"{FLAG} needs Transformer Engine (pip install transformer-engine[pytorch]) and --transformer-impl transformer_engine")
+    if getattr(args, "tp_comm_overlap_autotune_steps", 1) < 1:
+        p.append(f"{FLAG}-steps = {args.tp_comm_overlap_autotune_steps}: must be >= 1")
+    if getattr(args, "tp_comm_overlap_autotune_seconds", 1.0) <= 0:
+        p.append(f"{FLAG}-seconds = {args.tp_comm_overlap_autotune_seconds}: must be > 0")
+    cfg = getattr(args, "tp_comm_overlap_cfg", None)
+    if cfg:
+        from ..validation import ValidationContext, load_and_validate
+        try:
+            load_and_validate(cfg, ValidationContext(fp8=bool(getattr(args, "fp8", None)), tp_size=max(tp, 2)))
+        except ConfigError as e:
+            p.append(f"--tp-comm-overlap-cfg: {e}")
+    out = output_path(args).parent
+    probe = out
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not os.access(probe, os.W_OK):
+        p.append(f"{FLAG}-output: cannot write in {out} (nearest existing folder {probe} is not writable)")
+    return p
+
+
+def output_path(args: argparse.Namespace) -> Path:
+    explicit = getattr(args, "tp_comm_overlap_autotune_output", None)
+    if explicit:
+        return Path(explicit)
+    cfg = getattr(args, "tp_comm_overlap_cfg", None)
+    if cfg:
+        return Path(cfg).with_name(Path(cfg).stem + ".tuned.yaml")
+    if getattr(args, "save", None):
+        return Path(args.save) / "tp_comm_overlap_tuned.yaml"
+    return Path("tp_comm_overlap_tuned.yaml")
+
+
+def tuning_key(args: argparse.Namespace, gpu: str, te_version: str) -> dict[str, Any]:
+    """What a tuned config depends on; a reused config must match it exactly."""
+    return {"gpu": gpu, "tp": args.tensor_model_parallel_size, "cp": getattr(args, "context_parallel_size", 1),
+            "seq_length": args.seq_length, "micro_batch_size": args.micro_batch_size, "hidden": args.hidden_size,
+            "ffn": args.ffn_hidden_size, "heads": args.num_attention_heads,
+            "kv_groups": getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", False) else None,
+            "dtype": "fp8" if getattr(args, "fp8", None) else ("bf16" if getattr(args, "bf16", False) else "fp16/fp32"),
+            "te": te_version}
+
+
+# ---------------------------------------------------------------------------------------------
+# Data replay: read micro-batches ahead for trial steps, hand the same ones to the main loop
+# ---------------------------------------------------------------------------------------------
+
+class ReplayIterator:
+    """Wraps an iterator; :meth:`read_ahead` buffers items that ``next()`` later returns first."""
+
+    def __init__(self, it: Iterator[Any]):
+        self._it, self._buf = it, deque()
+
+    def read_ahead(self, n: int) -> list[Any]:
+        while len(self._buf) < n:
+            self._buf.append(next(self._it))
+        # Shallow copies: Megatron's get_batch replaces dict entries (tensor.cuda()) in place.
+        return [copy.copy(b) for b in list(self._buf)[:n]]
+
+    def __iter__(self) -> "ReplayIterator":
+        return self
+
+    def __next__(self) -> Any:
+        return self._buf.popleft() if self._buf else next(self._it)
+
+    def __getattr__(self, name: str) -> Any:  # e.g. state_dict of the wrapped iterator
+        return getattr(self._it, name)
+
+
+def attach_replay(it: Any) -> tuple[Any, ReplayIterator | None]:
+    """(iterator for the main loop, replay handle). Keeps Megatron's RerunDataIterator object in place
+    (the rerun state machine checks its type) by wrapping its inner iterable instead."""
+    if it is None:
+        return None, None
+    if type(it).__name__ == "RerunDataIterator" and hasattr(it, "iterable"):
+        it.iterable = ReplayIterator(it.iterable)
+        return it, it.iterable
+    r = ReplayIterator(it)
+    return r, r
+
+
+# ---------------------------------------------------------------------------------------------
+# Training-state snapshot (RNG, TE FP8 metadata)
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class StateSnapshot:
+    python: Any
+    numpy: Any
+    torch_cpu: Any
+    torch_cuda: Any
+    tp_tracker: Any
+    fp8_meta: list[tuple[Any, str, Any]]
+
+    @staticmethod
+    def take(models: Sequence[Any]) -> "StateSnapshot":
+        import numpy as np
+        import torch
+        tracker = None
+        try:
+            from megatron.core import tensor_parallel
+            tracker = tensor_parallel.get_cuda_rng_tracker().get_states()
+        except Exception:  # noqa: BLE001 - no Megatron (CPU tests) or no tracker
+            tracker = None
+        fp8 = []
+        for m in models:
+            for mod in m.modules():
+                meta = getattr(mod, "fp8_meta", None)
+                if isinstance(meta, dict):
+                    for k in ("scaling_fwd", "scaling_bwd"):
+                        if k in meta:
+                            fp8.append((mod, k, {a: getattr(meta[k], a).clone() for a in ("amax_history", "scale")
+                                                 if hasattr(meta[k], a)}))
+        return StateSnapshot(random.getstate(), np.random.get_state(), torch.get_rng_state(),
+                             torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None, tracker, fp8)
+
+    def restore(self) -> None:
+        import numpy as np
+        import torch
+        random.setstate(self.python)
+        np.random.set_state(self.numpy)
+        torch.set_rng_state(self.torch_cpu)
+        if self.torch_cuda is not None:
+            torch.cuda.set_rng_state_all(self.torch_cuda)
+        if self.tp_tracker is not None:
+            from megatron.core import tensor_parallel
+            tensor_parallel.get_cuda_rng_tracker().set_states(self.tp_tracker)
+        for mod, k, saved in self.fp8_meta:
+            for a, v in saved.items():
+                getattr(mod.fp8_meta[k], a).copy_(v)
+
+
+# ---------------------------------------------------------------------------------------------
+# The callback
+# ---------------------------------------------------------------------------------------------
+
+def init_args_from_megatron(args: argparse.Namespace):
+    """The ``initialize_ub`` arguments Megatron used (mirrors ``_initialize_tp_communicators``)."""
+    from transformer_engine.pytorch.module.base import UserBufferQuantizationMode as Q
+
+    from ..ub_runtime import UbInitArgs, last_captured
+    captured = last_captured()
+    if captured is not None:
+        return captured
+    seq = args.decoder_seq_length if getattr(args, "decoder_tp_comm_overlap", False) else args.seq_length
+    modes = [Q.FP8 if args.fp8 else Q.NONE]
+    if args.fp8 is not None and getattr(args, "first_last_layers_bf16", False) and (
+            getattr(args, "num_layers_at_start_in_bf16", 0) > 0 or getattr(args, "num_layers_at_end_in_bf16", 0) > 0):
+        modes.append(Q.NONE)
+    import torch
+    return UbInitArgs(shape=[(seq * args.micro_batch_size) // args.context_parallel_size, args.hidden_size],
+                      tp_size=args.tensor_model_parallel_size, quantization_modes=modes,
+                      dtype=torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32,
+                      bootstrap_backend=args.tp_comm_bootstrap_backend)
+
+
+class TPOverlapAutotuneCallback:
+    """Tunes the userbuffers config on the live Megatron model; called before the first iteration."""
+
+    def __init__(self, args: argparse.Namespace, log: Callable[..., None] | None = None):
+        self.args = args
+        from ..tuner import rank0_print
+        self.log = log or rank0_print
+        self.result = None
+
+    def __call__(self, forward_step_func: Callable, model: list, optimizer: Any, train_data_iterator: Any) -> Any:
+        """Tune; returns the data iterator the main loop must use (same batches, same order)."""
+        import torch
+        import transformer_engine
+
+        from megatron.core.num_microbatches_calculator import get_num_microbatches
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        from ..numerics import Fingerprint
+        from ..report import write_report, yaml_header
+        from ..search import SearchOptions
+        from ..space import SpaceSpec
+        from ..tuner import Autotuner
+        from ..ub_config import UbConfig, dumps_yaml, load_yaml
+
+        args = self.args
+        t0 = time.perf_counter()
+        out = output_path(args)
+        key = tuning_key(args, torch.cuda.get_device_name(), transformer_engine.__version__)
+        init = init_args_from_megatron(args)
+        reference = load_yaml(args.tp_comm_overlap_cfg) if args.tp_comm_overlap_cfg else UbConfig()
+
+        if getattr(args, "tp_comm_overlap_autotune_reuse", False):
+            reused = self._reusable(out, key)
+            if reused is not None:
+                from ..space import TuningConfig
+                from ..topology import find_overlap_modules
+                from ..ub_runtime import UbSwitcher
+                UbSwitcher(init, find_overlap_modules(model), barrier=torch.distributed.barrier,
+                           current=TuningConfig(reference)).apply(TuningConfig(reused, frozenset(), "reused"))
+                self.log(f"[tp-overlap-autotune] reusing {out} (tuned for the same {', '.join(key)}): skipping tuning")
+                return train_data_iterator
+
+        iters = train_data_iterator if isinstance(train_data_iterator, list) else [train_data_iterator]
+        pairs = [attach_replay(it) for it in iters]
+        main_iters = [p[0] for p in pairs]
+        n_mb = get_num_microbatches()
+        cached = [r.read_ahead(n_mb) if r is not None else None for _, r in pairs]
+        fb = get_forward_backward_func()
+        snapshot = StateSnapshot.take(model)
+        fp = Fingerprint()
+
+        def data() -> Any:
+            its = [iter(c) if c is not None else None for c in cached]
+            return its if isinstance(train_data_iterator, list) else its[0]
+
+        def zero() -> None:
+            for chunk in model:
+                chunk.zero_grad_buffer()
+            optimizer.zero_grad()
+
+        def run() -> list:
+            return fb(forward_step_func=forward_step_func, data_iterator=data(), model=model, num_microbatches=n_mb,
+                      seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+                      decoder_seq_length=args.decoder_seq_length, forward_only=False)
+
+        def step() -> None:
+            run()
+            zero()
+
+        def fingerprint() -> torch.Tensor:
+            zero()
+            losses = run()
+            vals = [torch.stack([v[0] if v.dim() else v for d in losses for v in d.values()]).float()] if losses else [None]
+            grads = [getattr(p, "main_grad", p.grad) for chunk in model for p in chunk.parameters() if p.requires_grad]
+            f = fp(vals + grads)
+            zero()
+            return f
+
+        allow_off = getattr(args, "tp_comm_overlap_autotune_allow_off", False)
+        opts = SearchOptions(strategy=args.tp_comm_overlap_autotune_strategy, max_steps=args.tp_comm_overlap_autotune_steps,
+                             max_seconds=args.tp_comm_overlap_autotune_seconds)
+        tuner = Autotuner(model, step, init, reference=reference, options=opts, space_spec=SpaceSpec(include_off=allow_off),
+                          verify_fn=fingerprint, verify_rtol=args.tp_comm_overlap_autotune_rtol, allow_overlap_off=allow_off,
+                          log=self.log)
+        zero()
+        try:
+            res = tuner.tune()
+        finally:
+            zero()
+            snapshot.restore()
+        self.result = res
+        self.log(res.summary)
+
+        meta = {**key, "wall_s": round(time.perf_counter() - t0, 2), "chosen": res.best.label}
+        flags = ["--tp-comm-overlap", f"--tp-comm-overlap-cfg {out}"]
+        if torch.distributed.get_rank() == 0:
+            atomic_write_text(out, dumps_yaml(res.best.ub, yaml_header(res.best.ub, meta)), backup=True)
+            report = {**res.report, "tuning_key": key, "megatron_flags": flags}
+            write_report(out.with_suffix(".report.json"), report)
+            atomic_write_text(out.with_suffix(".key.json"), json.dumps(key, indent=1) + "\n")
+        torch.distributed.barrier()
+        self.log(f"[tp-overlap-autotune] wrote {out} ({res.best.label}; {res.wall_s:.1f} s, {res.switches} switches); "
+                 f"reproduce with: {' '.join(flags)}")
+        return main_iters if isinstance(train_data_iterator, list) else main_iters[0]
+
+    @staticmethod
+    def _reusable(out: Path, key: dict[str, Any]):
+        from ..ub_config import load_yaml
+        keyfile = out.with_suffix(".key.json")
+        try:
+            if out.exists() and keyfile.exists() and json.loads(keyfile.read_text()) == key:
+                return load_yaml(out)
+        except (OSError, ValueError, ConfigError):
+            return None
+        return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Installation into Megatron
+# ---------------------------------------------------------------------------------------------
+
+_installed = False
+
+
+def _helpers_importable() -> bool:
+    try:
+        from megatron.core.datasets import helpers_cpp  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+def install() -> None:
+    """Patch Megatron (idempotent). Call before ``parse_and_validate_args`` / ``pretrain``."""
+    global _installed
+    if _installed:
+        return
+    import megatron.core.datasets.utils as ds_utils
+    import megatron.training.arguments as margs
+    import megatron.training.training as mtraining
+
+    original_parse = margs.parse_args
+
+    def parse_args(extra_args_provider=None, ignore_unknown_args=False):
+        def provider(parser):
+            parser = extra_args_provider(parser) if extra_args_provider is not None else parser
+            return add_arguments(parser)
+        args = original_parse(provider, ignore_unknown_args)
+        try:
+            import transformer_engine.pytorch  # noqa: F401
+            te_ok = True
+        except ImportError:
+            te_ok = False
+        problems = check_arguments(args, te_ok)
+        if problems:
+            raise SystemExit("megatron-tp-overlap: cannot autotune with these flags:\n" + "\n".join(f"  - {p}" for p in problems))
+        return args
+
+    margs.parse_args = parse_args
+
+    original_compile = ds_utils.compile_helpers
+
+    def compile_helpers():
+        if _helpers_importable():  # pip wheel: compiled, no Makefile
+            return
+        original_compile()
+
+    ds_utils.compile_helpers = compile_helpers
+
+    original_train = mtraining.train
+
+    def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_iterator, *rest, **kw):
+        from megatron.training import get_args
+        args = get_args()
+        if getattr(args, "tp_comm_overlap_autotune", False):
+            train_data_iterator = TPOverlapAutotuneCallback(args)(forward_step_func, model, optimizer, train_data_iterator)
+        return original_train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_iterator, *rest, **kw)
+
+    mtraining.train = train
+
+    loss_log = os.environ.get("MEGATRON_TP_OVERLAP_LOSS_LOG")  # test-only: exact losses per iteration
+    if loss_log:
+        original_log = mtraining.training_log
+
+        def training_log(loss_dict, total_loss_dict, learning_rate, iteration, *rest, **kw):
+            if loss_dict:
+                vals = {k: float(v.item() if hasattr(v, "item") else v) for k, v in loss_dict.items()}
+                with open(f"{loss_log}.rank{int(os.environ.get('RANK', 0))}", "a") as f:
+                    f.write(json.dumps({"iteration": iteration, **{k: repr(v) for k, v in vals.items()}}) + "\n")
+            return original_log(loss_dict, total_loss_dict, learning_rate, iteration, *rest, **kw)
+
+        mtraining.training_log = training_log
+    _installed = True

@@ -1,0 +1,143 @@
+"""CPU tests of the Megatron integration's pure parts; parsing through Megatron's own parser runs
+where ``megatron.training`` imports (Python >= 3.12 with megatron-core; skipped on CI's 3.11)."""
+import argparse
+import itertools
+import sys
+
+import pytest
+import torch
+
+from megatron_tp_overlap.integrations.megatron import (
+    ReplayIterator, StateSnapshot, add_arguments, attach_replay, check_arguments, output_path, tuning_key,
+)
+
+
+def ns(**kw):
+    base = dict(tp_comm_overlap_autotune=True, tp_comm_overlap=True, sequence_parallel=True,
+                tensor_model_parallel_size=2, transformer_impl="transformer_engine", tp_comm_overlap_cfg=None,
+                tp_comm_overlap_autotune_output=None, save=None, tp_comm_overlap_autotune_steps=400,
+                tp_comm_overlap_autotune_seconds=60.0, fp8=None)
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+def test_flags_parse_with_defaults():
+    p = add_arguments(argparse.ArgumentParser())
+    a = p.parse_args(["--tp-comm-overlap-autotune", "--tp-comm-overlap-autotune-seconds", "30"])
+    assert a.tp_comm_overlap_autotune and a.tp_comm_overlap_autotune_seconds == 30.0
+    assert a.tp_comm_overlap_autotune_strategy == "coordinate" and a.tp_comm_overlap_autotune_steps == 400
+    with pytest.raises(SystemExit):
+        p.parse_args(["--tp-comm-overlap-autotune-strategy", "random"])
+
+
+def test_good_combination_has_no_problems(tmp_path):
+    assert check_arguments(ns(tp_comm_overlap_autotune_output=str(tmp_path / "x.yaml"))) == []
+    assert check_arguments(ns(tp_comm_overlap_autotune=False, tp_comm_overlap=False)) == []
+
+
+@pytest.mark.parametrize("kw, needle", [
+    (dict(tp_comm_overlap=False), "needs --tp-comm-overlap"),
+    (dict(sequence_parallel=False), "needs --sequence-parallel"),
+    (dict(tensor_model_parallel_size=1), "--tensor-model-parallel-size >= 2"),
+    (dict(transformer_impl="local"), "Transformer Engine"),
+    (dict(tp_comm_overlap_autotune_steps=0), "-steps = 0"),
+    (dict(tp_comm_overlap_autotune_seconds=-1.0), "-seconds = -1.0"),
+])
+def test_bad_combinations_are_named(kw, needle, tmp_path):
+    probs = check_arguments(ns(tp_comm_overlap_autotune_output=str(tmp_path / "x.yaml"), **kw))
+    assert any(needle in p for p in probs), probs
+
+
+def test_missing_te_is_named(tmp_path):
+    assert any("Transformer Engine" in p for p in check_arguments(ns(tp_comm_overlap_autotune_output=str(tmp_path / "y.yaml")), te_available=False))
+
+
+def test_invalid_existing_cfg_is_reported_with_file_and_line(tmp_path):
+    cfg = tmp_path / "ub.yaml"
+    cfg.write_text("qkv_fprop:\n  method: pipeline\n")
+    probs = check_arguments(ns(tp_comm_overlap_cfg=str(cfg)))
+    assert any(f"{cfg}:2" in p and "qkv_fprop.method" in p for p in probs), probs
+
+
+def test_unwritable_output_dir(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        if not __import__("os").access(ro, __import__("os").W_OK):
+            probs = check_arguments(ns(tp_comm_overlap_autotune_output=str(ro / "sub" / "t.yaml")))
+            assert any("cannot write" in p for p in probs)
+        else:
+            pytest.skip("running as a user that can write anywhere (root)")
+    finally:
+        ro.chmod(0o700)
+
+
+def test_output_path_defaults():
+    assert output_path(ns(tp_comm_overlap_autotune_output="a/b.yaml")).as_posix() == "a/b.yaml"
+    assert output_path(ns(tp_comm_overlap_cfg="cfgs/ub.yaml")).as_posix() == "cfgs/ub.tuned.yaml"
+    assert output_path(ns(save="ckpt")).as_posix() == "ckpt/tp_comm_overlap_tuned.yaml"
+    assert output_path(ns()).as_posix() == "tp_comm_overlap_tuned.yaml"
+
+
+def test_tuning_key_changes_with_what_matters():
+    a = argparse.Namespace(tensor_model_parallel_size=2, context_parallel_size=1, seq_length=8192, micro_batch_size=1,
+                           hidden_size=4096, ffn_hidden_size=14336, num_attention_heads=32, group_query_attention=True,
+                           num_query_groups=8, fp8=None, bf16=True)
+    k = tuning_key(a, "NVIDIA H200", "2.20.2")
+    assert k == tuning_key(a, "NVIDIA H200", "2.20.2")
+    assert k != tuning_key(a, "NVIDIA H100 80GB HBM3", "2.20.2") and k != tuning_key(a, "NVIDIA H200", "2.21.0")
+    b = argparse.Namespace(**{**vars(a), "seq_length": 4096})
+    assert tuning_key(b, "NVIDIA H200", "2.20.2") != k
+    c = argparse.Namespace(**{**vars(a), "fp8": "hybrid"})
+    assert tuning_key(c, "NVIDIA H200", "2.20.2")["dtype"] == "fp8"
+
+
+def test_replay_gives_the_main_loop_the_same_batches_in_order():
+    src = iter([{"tokens": i} for i in range(10)])
+    main, r = attach_replay(src)
+    trial = r.read_ahead(3)
+    assert [b["tokens"] for b in trial] == [0, 1, 2]
+    trial[0]["tokens"] = "mutated by get_batch"  # shallow copies: the main loop's batch is untouched
+    assert r.read_ahead(3)[0]["tokens"] == 0
+    assert [next(main)["tokens"] for _ in range(5)] == [0, 1, 2, 3, 4]
+
+
+def test_replay_keeps_a_rerun_data_iterator_in_place():
+    class RerunDataIterator:  # same name as Megatron's: its type is checked by the rerun machine
+        def __init__(self, it):
+            self.iterable = it
+
+        def __next__(self):
+            return next(self.iterable)
+
+    d = RerunDataIterator(itertools.count())
+    main, r = attach_replay(d)
+    assert main is d and isinstance(d.iterable, ReplayIterator)
+    assert r.read_ahead(2) == [0, 1] and [next(d) for _ in range(3)] == [0, 1, 2]
+    assert attach_replay(None) == (None, None)
+
+
+def test_state_snapshot_restores_rng():
+    import random
+    import numpy as np
+    m = torch.nn.Linear(2, 2)
+    s = StateSnapshot.take([m])
+    a = (random.random(), np.random.rand(), torch.rand(1).item())
+    s.restore()
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == a
+
+
+
+
+@pytest.mark.skipif(sys.version_info < (3, 12), reason="megatron-core >= 0.17 needs Python 3.12")
+def test_flags_through_megatrons_parser(monkeypatch):
+    pytest.importorskip("megatron.training.arguments")
+    import megatron.training.arguments as margs
+    from megatron_tp_overlap.integrations import megatron as integ
+    monkeypatch.setattr(integ, "_installed", False)
+    integ.install()
+    monkeypatch.setattr(sys, "argv", ["x", "--tensor-model-parallel-size", "2", "--tp-comm-overlap-autotune",
+                                      "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"])
+    with pytest.raises(SystemExit, match="needs --tp-comm-overlap"):
+        margs.parse_args()
