@@ -64,12 +64,13 @@ def main() -> None:
         "no_overlap": [],
     }
     results = {}
-    for run in a.runs.split(","):
+    for run in a.runs.split(","):  # "tuned_yaml.2": a second identical run (run-to-run determinism)
+        kind = run.split(".")[0]
         loss_log = out / f"losses_{tag}_{run}"
         for f in out.glob(loss_log.name + ".rank*"):
             f.unlink()
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={a.gpus}", "-m", "megatron_tp_overlap.run",
-               a.script, *model_args(a), *extra[run]]
+               a.script, *model_args(a), *extra[kind]]
         env = {**os.environ, "MEGATRON_TP_OVERLAP_LOSS_LOG": str(loss_log)}
         t0 = time.time()
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -92,6 +93,13 @@ def main() -> None:
     if "autotune" in results and "tuned_yaml" in results:
         la, lb = results["autotune"]["losses"][:20], results["tuned_yaml"]["losses"][:20]
         results["losses_equal_first_20"] = bool(la) and la == lb
+        results["first_loss_difference_at_iteration"] = next((i + 1 for i, (x, y) in enumerate(zip(la, lb)) if x != y), None)
+        if "tuned_yaml.2" in results:
+            lc = results["tuned_yaml.2"]["losses"][:20]
+            results["tuned_yaml_repeat_equal_first_20"] = bool(lc) and lc == lb
+            results["max_rel_loss_difference"] = {
+                "autotune_vs_yaml": max((abs(float(x) - float(y)) / abs(float(y)) for x, y in zip(la, lb)), default=None),
+                "yaml_vs_yaml_repeat": max((abs(float(x) - float(y)) / abs(float(y)) for x, y in zip(lc, lb)), default=None)}
     report = out / f"megatron_{tag}_tuned.report.json"
     if report.exists():
         r = json.loads(report.read_text())

@@ -84,6 +84,7 @@ class Autotuner:
         self.switcher = UbSwitcher(self.init_args, self.modules, barrier=self._barrier)
         self._t0 = 0.0
         self._ref_fp: torch.Tensor | None = None
+        self._guard_off: str | None = None
         self.numerics: dict[str, float] = {}
 
     def _barrier(self) -> None:
@@ -128,8 +129,17 @@ class Autotuner:
         err = 0.0
         try:
             if self._ref_fp is None:
+                # The reference twice: if the step itself is not reproducible (dropout without a
+                # restored RNG, non-deterministic kernels), the guard cannot tell configs apart.
                 self.switcher.apply(all_off(self.topology, TuningConfig(self.reference or UbConfig())))
                 self._ref_fp = self.verify_fn()
+                floor = agree_max([rel_diff(self.verify_fn(), self._ref_fp)], self.group, self.timing_device)[0]
+                self.numerics["no overlap (repeat)"] = floor
+                if floor > self.verify_rtol / 2:
+                    self._guard_off = f"numerics guard off: two identical reference steps differ by {floor:.2e} (> rtol/2)"
+                    self.log(f"[tp-overlap-autotune] WARNING {self._guard_off}; make verify_fn deterministic (restore RNG)")
+            if self._guard_off:
+                return None
             self.switcher.apply(config)
             err = rel_diff(self.verify_fn(), self._ref_fp)
         except Exception as e:  # noqa: BLE001
@@ -164,7 +174,7 @@ class Autotuner:
                 "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                 "strategy": self.options.strategy, "switches": self.switcher.reinits,
                 "reinit_s_median": sorted(self.switcher.reinit_seconds)[len(self.switcher.reinit_seconds) // 2] if self.switcher.reinit_seconds else None,
-                "wall_s": round(wall, 3), "numerics_rel_error": self.numerics, "space": {g: [o.label for o in opts] for g, opts in space.items()}}
+                "wall_s": round(wall, 3), "numerics_rel_error": self.numerics, "numerics_guard": self._guard_off or "on", "space": {g: [o.label for o in opts] for g, opts in space.items()}}
         report = build_report(result, self.topology, meta)
         summary = render_summary(summary_rows(result, self.topology), result)
         return TuneResult(result.best, result, self.topology, report, summary, self.switcher.reinits, wall)

@@ -141,3 +141,29 @@ def test_flags_through_megatrons_parser(monkeypatch):
                                       "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"])
     with pytest.raises(SystemExit, match="needs --tp-comm-overlap"):
         margs.parse_args()
+
+
+class FakeTracker:
+    """Mimics Megatron's CudaRNGStatesTracker: set_states keeps the dict, fork replaces entries."""
+
+    def __init__(self):
+        self.states_ = {"model-parallel-rng": torch.tensor([1])}
+
+    def get_states(self):
+        return {k: v for k, v in self.states_.items()}
+
+    def set_states(self, states):
+        self.states_ = states
+
+    def fork(self):
+        self.states_["model-parallel-rng"] = self.states_["model-parallel-rng"] + 1
+
+
+def test_state_snapshot_restores_the_tp_rng_tracker_every_time():
+    tr = FakeTracker()
+    s = StateSnapshot.take([], tracker=tr)
+    for _ in range(3):  # restore, run a step (forks), restore again: always back to the saved state
+        tr.fork()
+        tr.fork()
+        s.restore()
+        assert tr.states_["model-parallel-rng"].item() == 1

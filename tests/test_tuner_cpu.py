@@ -99,3 +99,19 @@ def test_ranks_agree_over_gloo(tmp_path):
     # MAX over ranks: rank 1's penalty on num_sm=8 is seen by both, so neither picks it
     for g in ("qkv_dgrad", "fc1_dgrad"):
         assert r0["best"]["ub_cfgs"].get(g, {}).get("num_sm") != 8
+
+
+def test_numerics_guard_turns_itself_off_when_the_step_is_not_reproducible(fake_te):
+    tuner, model = make_tuner()
+    noisy = tuner.verify_fn
+    tuner.verify_fn = lambda: noisy() * (1 + torch.rand(1).item())  # like dropout with a fresh RNG each call
+    res = tuner.tune()
+    assert "numerics guard off" in res.report["meta"]["numerics_guard"]
+    assert res.search.best_name == "autotuned"  # not every option rejected
+
+
+def test_numerics_guard_floor_is_recorded_when_reproducible(fake_te):
+    tuner, _ = make_tuner()
+    res = tuner.tune()
+    assert res.report["meta"]["numerics_guard"] == "on"
+    assert res.report["meta"]["numerics_rel_error"]["no overlap (repeat)"] == 0.0

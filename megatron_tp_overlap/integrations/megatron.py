@@ -165,16 +165,28 @@ class StateSnapshot:
     tp_tracker: Any
     fp8_meta: list[tuple[Any, str, Any]]
 
+    tracker: Any = None  # the RNG tracker object (Megatron's CudaRNGStatesTracker)
+
     @staticmethod
-    def take(models: Sequence[Any]) -> "StateSnapshot":
-        import numpy as np
-        import torch
-        tracker = None
+    def _megatron_tracker() -> Any:
         try:
             from megatron.core import tensor_parallel
-            tracker = tensor_parallel.get_cuda_rng_tracker().get_states()
+            return tensor_parallel.get_cuda_rng_tracker()
         except Exception:  # noqa: BLE001 - no Megatron (CPU tests) or no tracker
-            tracker = None
+            return None
+
+    @staticmethod
+    def _clone(states: dict) -> dict:
+        # Megatron's set_states() keeps the dict it is given and later forks replace its entries:
+        # handing it our own dict would let the "saved" state advance. Always hand over copies.
+        return {k: (v.clone() if hasattr(v, "clone") else copy.deepcopy(v)) for k, v in states.items()}
+
+    @staticmethod
+    def take(models: Sequence[Any], tracker: Any = None) -> "StateSnapshot":
+        import numpy as np
+        import torch
+        tracker = tracker if tracker is not None else StateSnapshot._megatron_tracker()
+        tracker_states = StateSnapshot._clone(tracker.get_states()) if tracker is not None else None
         fp8 = []
         for m in models:
             for mod in m.modules():
@@ -185,7 +197,8 @@ class StateSnapshot:
                             fp8.append((mod, k, {a: getattr(meta[k], a).clone() for a in ("amax_history", "scale")
                                                  if hasattr(meta[k], a)}))
         return StateSnapshot(random.getstate(), np.random.get_state(), torch.get_rng_state(),
-                             torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None, tracker, fp8)
+                             torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None, tracker_states, fp8,
+                             tracker)
 
     def restore(self) -> None:
         import numpy as np
@@ -195,9 +208,8 @@ class StateSnapshot:
         torch.set_rng_state(self.torch_cpu)
         if self.torch_cuda is not None:
             torch.cuda.set_rng_state_all(self.torch_cuda)
-        if self.tp_tracker is not None:
-            from megatron.core import tensor_parallel
-            tensor_parallel.get_cuda_rng_tracker().set_states(self.tp_tracker)
+        if self.tp_tracker is not None and self.tracker is not None:
+            self.tracker.set_states(self._clone(self.tp_tracker))
         for mod, k, saved in self.fp8_meta:
             for a, v in saved.items():
                 getattr(mod.fp8_meta[k], a).copy_(v)
@@ -278,8 +290,11 @@ class TPOverlapAutotuneCallback:
         snapshot = StateSnapshot.take(model)
         fp = Fingerprint()
 
+        from megatron.core.rerun_state_machine import RerunDataIterator, get_rerun_state_machine
+        rerun = get_rerun_state_machine()
+
         def data() -> Any:
-            its = [iter(c) if c is not None else None for c in cached]
+            its = [RerunDataIterator(iter(c)) if c is not None else None for c in cached]
             return its if isinstance(train_data_iterator, list) else its[0]
 
         def zero() -> None:
@@ -288,15 +303,20 @@ class TPOverlapAutotuneCallback:
             optimizer.zero_grad()
 
         def run() -> list:
-            return fb(forward_step_func=forward_step_func, data_iterator=data(), model=model, num_microbatches=n_mb,
-                      seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
-                      decoder_seq_length=args.decoder_seq_length, forward_only=False)
+            # Megatron's protocol (as train_step): loss validation is only legal inside this loop.
+            it, losses = data(), []
+            while rerun.should_run_forward_backward(it):
+                losses = fb(forward_step_func=forward_step_func, data_iterator=it, model=model, num_microbatches=n_mb,
+                            seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+                            decoder_seq_length=args.decoder_seq_length, forward_only=False)
+            return losses
 
         def step() -> None:
             run()
             zero()
 
         def fingerprint() -> torch.Tensor:
+            snapshot.restore()  # same dropout masks for every config: dropout is on by default in Megatron
             zero()
             losses = run()
             vals = [torch.stack([v[0] if v.dim() else v for d in losses for v in d.values()]).float()] if losses else [None]
