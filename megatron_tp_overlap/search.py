@@ -223,7 +223,7 @@ class Searcher:
             config, taken = self._pack(incumbent, queue)
             if not taken:
                 return
-            t = self._run(phase, config, {k: o.label for k, o in taken.items()}, steps)
+            t = self._run(phase, config, {k: f"{o.gemm}: {o.label}" for k, o in taken.items()}, steps)
             if t.error:
                 if len(taken) > 1:  # find the culprit: retry each option on its own
                     retry_alone += list(taken.values())
@@ -237,7 +237,7 @@ class Searcher:
             if not self._can_afford(steps, reserve_steps=reserve):
                 return
             config = apply(incumbent, opt, self.topo)
-            t = self._run(phase, config, {",".join(sorted(self._slots_of(opt))): opt.label}, steps)
+            t = self._run(phase, config, {",".join(sorted(self._slots_of(opt))): f"{opt.gemm}: {opt.label}"}, steps)
             if not t.error:
                 per_slot = self._slot_samples[config]
                 score = self._score({s: per_slot[s][-steps:] for s in per_slot}, self._slots_of(opt))
