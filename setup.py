@@ -10,6 +10,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_tp_overlap", "megatron_tp_overlap.*"]),
+    package_data={"megatron_tp_overlap": ["conf/*.yaml", "conf/*/*.yaml"]},
     install_requires=[
         "torch>=2.4",
         "PyYAML>=6.0",

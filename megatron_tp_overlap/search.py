@@ -255,7 +255,10 @@ class Searcher:
         incumbent = reference
         options = [opt for g, opts in self.space.items() for opt in opts
                    if apply(incumbent, opt, self.topo) != incumbent]
-        self.planned_trials = 1 + max((sum(1 for x in options if self.topo.slot_of(x.gemm) == s) for s in self.topo.slots()), default=0)
+        per_slot = [sum(1 for x in options if self.topo.slot_of(x.gemm) == s) for s in self.topo.slots()]
+        gemms_per_slot = max((len(g) for g in self.topo.slots().values()), default=1)
+        self.planned_trials = (2 + max(per_slot, default=0) + o.keep * gemms_per_slot
+                               + o.confirm_rounds * (len(contenders) + 1))  # an estimate, for progress bars
 
         # 1. incumbent, then screening: every option once.
         self._run("baseline", incumbent, {"*": "incumbent"}, o.screen_steps * 2)

@@ -242,6 +242,8 @@ def init_args_from_megatron(args: argparse.Namespace):
 class TPOverlapAutotuneCallback:
     """Tunes the userbuffers config on the live Megatron model; called before the first iteration."""
 
+    hooks: list[Callable[[Any, Path], None]] = []  # called with (TuneResult, yaml path) after tuning
+
     def __init__(self, args: argparse.Namespace, log: Callable[..., None] | None = None):
         self.args = args
         from ..tuner import rank0_print
@@ -328,12 +330,15 @@ class TPOverlapAutotuneCallback:
         allow_off = getattr(args, "tp_comm_overlap_autotune_allow_off", False)
         opts = SearchOptions(strategy=args.tp_comm_overlap_autotune_strategy, max_steps=args.tp_comm_overlap_autotune_steps,
                              max_seconds=args.tp_comm_overlap_autotune_seconds)
+        from ..progress import TuningProgress
+        progress = TuningProgress(enabled=torch.distributed.get_rank() == 0)
         tuner = Autotuner(model, step, init, reference=reference, options=opts, space_spec=SpaceSpec(include_off=allow_off),
                           verify_fn=fingerprint, verify_rtol=args.tp_comm_overlap_autotune_rtol, allow_overlap_off=allow_off,
-                          log=self.log)
+                          log=self.log, progress=progress.update)
         zero()
         try:
-            res = tuner.tune()
+            with progress:
+                res = tuner.tune()
         finally:
             zero()
             snapshot.restore()
@@ -347,10 +352,27 @@ class TPOverlapAutotuneCallback:
             report = {**res.report, "tuning_key": key, "megatron_flags": flags}
             write_report(out.with_suffix(".report.json"), report)
             atomic_write_text(out.with_suffix(".key.json"), json.dumps(key, indent=1) + "\n")
+            self._tensorboard(res)
+        for hook in self.hooks:
+            hook(res, out)
         torch.distributed.barrier()
         self.log(f"[tp-overlap-autotune] wrote {out} ({res.best.label}; {res.wall_s:.1f} s, {res.switches} switches); "
                  f"reproduce with: {' '.join(flags)}")
         return main_iters if isinstance(train_data_iterator, list) else main_iters[0]
+
+    @staticmethod
+    def _tensorboard(res: Any) -> None:
+        """Tuning results into Megatron's TensorBoard writer, when one is active (rank 0)."""
+        from megatron.training import get_tensorboard_writer
+        writer = get_tensorboard_writer()
+        if writer is None:
+            return
+        for c in res.search.contenders:
+            if c.samples:
+                writer.add_scalar(f"tp-overlap-autotune/step-ms/{c.name}", c.median, 0)
+        writer.add_scalar("tp-overlap-autotune/tuning-seconds", res.wall_s, 0)
+        writer.add_text("tp-overlap-autotune/summary", f"<pre>{res.summary}</pre>", 0)
+        writer.flush()
 
     @staticmethod
     def _reusable(out: Path, key: dict[str, Any]):
@@ -435,7 +457,7 @@ def install() -> None:
             if loss_dict:
                 vals = {k: float(v.item() if hasattr(v, "item") else v) for k, v in loss_dict.items()}
                 with open(f"{loss_log}.rank{int(os.environ.get('RANK', 0))}", "a") as f:
-                    f.write(json.dumps({"iteration": iteration, **{k: repr(v) for k, v in vals.items()}}) + "\n")
+                    f.write(json.dumps({"iteration": iteration, "t": time.time(), **{k: repr(v) for k, v in vals.items()}}) + "\n")
             return original_log(loss_dict, total_loss_dict, learning_rate, iteration, *rest, **kw)
 
         mtraining.training_log = training_log
