@@ -2,3 +2,16 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/fakes.py
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def fake_te(monkeypatch):
+    """TE's userbuffers registry replaced by tests/fakes.FakeTE (for the switcher and fake modules)."""
+    import fakes
+    from megatron_tp_overlap import ub_runtime
+    te = fakes.FakeTE()
+    monkeypatch.setattr(fakes, "STATE", te)
+    monkeypatch.setattr(ub_runtime, "_te_base", lambda: te)
+    return te

@@ -14,12 +14,6 @@ from megatron_tp_overlap.topology import build_topology, find_overlap_modules
 from megatron_tp_overlap.ub_config import GemmOverlapConfig, UbConfig
 
 
-@pytest.fixture
-def fake_te(monkeypatch):
-    te = fakes.FakeTE()
-    monkeypatch.setattr(fakes, "STATE", te)
-    monkeypatch.setattr(ub_runtime, "_te_base", lambda: te)
-    return te
 
 
 def test_slot_timer_times_forward_and_backward_of_every_module(fake_te):

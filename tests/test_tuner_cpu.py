@@ -39,12 +39,6 @@ def make_tuner(layers=1, scale=3.0, **kw):
                      verify_fn=fingerprint, log=lambda *a: None, **kw), model
 
 
-@pytest.fixture
-def fake_te(monkeypatch):
-    te = fakes.FakeTE()
-    monkeypatch.setattr(fakes, "STATE", te)
-    monkeypatch.setattr(ub_runtime, "_te_base", lambda: te)
-    return te
 
 
 def test_autotuner_finds_the_designed_optimum_and_leaves_it_applied(fake_te, tmp_path):
