@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from .measure import SlotTimer, agree_max, cuda_event
+from .faults import InjectedFault, from_env as faults_from_env
 from .numerics import rel_diff
 from .presets import PRESETS
 from .report import build_report, render_summary, summary_rows
@@ -73,6 +74,8 @@ class Autotuner:
     verify_fn: Callable[[], torch.Tensor] | None = None  # fingerprint of one step (numerics.Fingerprint)
     verify_rtol: float = 2e-2  # bf16: relative L2 error against the no-overlap reference
     allow_overlap_off: bool = True  # False: "no overlap" is measured for the report but never chosen
+    trial_timeout_s: float = 120.0  # a trial slower than this is rejected (checked when it returns)
+    faults: list = field(default_factory=lambda: faults_from_env())  # reliability tests only
 
     def __post_init__(self) -> None:
         self.modules: list[OverlapModule] = find_overlap_modules(self.model)
@@ -85,6 +88,7 @@ class Autotuner:
         self._t0 = 0.0
         self._ref_fp: torch.Tensor | None = None
         self._guard_off: str | None = None
+        self._trial_index = 0
         self.numerics: dict[str, float] = {}
 
     def _barrier(self) -> None:
@@ -92,32 +96,54 @@ class Autotuner:
         if dist.is_available() and dist.is_initialized():
             dist.barrier(group=self.group)
 
+    def _fault(self, kind: str, config: TuningConfig) -> bool:
+        import torch.distributed as dist
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        return any(f.hits(kind, self._trial_index, config.describe(), rank) for f in self.faults)
+
     # One trial: switch, warm up, time `steps` steps, agree with the other ranks.
+    _FAILURES = {1: "raised", 2: "exceeded the trial timeout", 3: "gave non-finite timings"}
+
     def evaluate(self, config: TuningConfig, steps: int, warmup: int) -> Measurement:
         slots = list(self.topology.slots())
         error = 0.0
         per_slot: dict[str, list[float]] = {s: [math.nan] * steps for s in slots}
         step_ms = [math.nan] * steps
         timer = SlotTimer(self.modules, self.event_factory)
+        t_trial = time.perf_counter()
         try:
+            if self._fault("init", config):
+                raise InjectedFault("injected fault while switching userbuffers config")
             self.switcher.apply(config)
             for _ in range(warmup):
                 self.step_fn()
             with timer:
-                for _ in range(steps):
+                for i in range(steps):
                     timer.begin_step()
                     self.step_fn()
                     timer.end_step()
+                    if i == 0 and self._fault("step", config):
+                        raise InjectedFault("injected fault during a trial step")
+                    if i == 0 and self._fault("timeout", config):
+                        time.sleep(self.trial_timeout_s)
                 if self.timing_device == "cuda":
                     torch.cuda.synchronize()
                 per_slot, step_ms = timer.collect(slots)
+            if self._fault("nan", config):
+                step_ms = [math.nan] * steps
+            if time.perf_counter() - t_trial > self.trial_timeout_s:
+                error = 2.0
+            elif not all(math.isfinite(v) for v in step_ms):
+                error = 3.0
         except Exception as e:  # noqa: BLE001 - the other ranks must hear about it
             error = 1.0
             self.log(f"[tp-overlap-autotune] trial failed on this rank: {type(e).__name__}: {e}")
+        self._trial_index += 1
         flat = [v for s in slots for v in per_slot[s]] + list(step_ms) + [time.perf_counter() - self._t0, error]
         agreed = agree_max(flat, self.group, self.timing_device)
-        if agreed[-1] > 0:
-            raise TrialFailed(f"config failed on at least one rank: {config.describe()}")
+        if agreed[-1] > 0:  # every rank raises together: nobody is left waiting in a collective
+            why = self._FAILURES.get(int(agreed[-1]), "failed")
+            raise TrialFailed(f"{why} on at least one rank: {config.describe()}")
         n = len(slots) * steps
         return Measurement(slot_ms={s: agreed[i * steps:(i + 1) * steps] for i, s in enumerate(slots)},
                            step_ms=agreed[n:n + steps], elapsed_s=agreed[-2], steps_run=steps + warmup)

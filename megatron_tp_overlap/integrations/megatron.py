@@ -335,11 +335,18 @@ class TPOverlapAutotuneCallback:
         tuner = Autotuner(model, step, init, reference=reference, options=opts, space_spec=SpaceSpec(include_off=allow_off),
                           verify_fn=fingerprint, verify_rtol=args.tp_comm_overlap_autotune_rtol, allow_overlap_off=allow_off,
                           log=self.log, progress=progress.update)
+        # Megatron's own NaN/spike checks are fatal; during trials our numerics guard rejects such a
+        # candidate instead of ending the job.
+        checks = {k: getattr(args, k, False) for k in ("check_for_nan_in_loss_and_grad", "check_for_spiky_loss")}
         zero()
         try:
+            for k in checks:
+                setattr(args, k, False)
             with progress:
                 res = tuner.tune()
         finally:
+            for k, v in checks.items():
+                setattr(args, k, v)
             zero()
             snapshot.restore()
         self.result = res
