@@ -20,6 +20,7 @@ setup(
         "matplotlib>=3.7",
         "filelock>=3.12",
     ],
+    entry_points={"console_scripts": ["megatron-tp-overlap = megatron_tp_overlap.cli:main"]},
     extras_require={
         "test": ["pytest>=7.4"],
         # Needs CUDA to build/run; installed on GPU nodes only.

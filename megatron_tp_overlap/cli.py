@@ -1,0 +1,81 @@
+"""``megatron-tp-overlap``: small offline commands.
+
+    megatron-tp-overlap validate ub.yaml [--tp 4] [--fp8] [--sm-count 132]
+    megatron-tp-overlap preset [NAME]          # list the presets, or print one as YAML
+    megatron-tp-overlap analyze TRACE.json [--json OUT]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .errors import ConfigError
+
+
+def _validate(a: argparse.Namespace) -> int:
+    from .validation import ValidationContext, load_and_validate
+    try:
+        cfg, notes = load_and_validate(a.yaml, ValidationContext(fp8=a.fp8, sm_count=a.sm_count, tp_size=a.tp))
+    except ConfigError as e:
+        print(e, file=sys.stderr)
+        return 1
+    for n in notes:
+        print(f"warning: {n}")
+    print(f"{a.yaml}: valid ({len(cfg)} GEMM entries: {cfg.describe()})")
+    return 0
+
+
+def _preset(a: argparse.Namespace) -> int:
+    from .presets import PRESETS, get_preset
+    from .ub_config import dumps_yaml
+    if not a.name:
+        print("\n".join(PRESETS))
+        return 0
+    try:
+        print(dumps_yaml(get_preset(a.name), header=f"preset {a.name}"), end="")
+    except ConfigError as e:
+        print(e, file=sys.stderr)
+        return 1
+    return 0
+
+
+def _analyze(a: argparse.Namespace) -> int:
+    from .trace import analyze, load, render
+    results = {}
+    for path in a.traces:
+        try:
+            r = analyze(load(path))
+        except ValueError as e:
+            print(e, file=sys.stderr)
+            return 1
+        print(f"{path}\n{render(r)}\n")
+        results[path] = {dev: t.to_dict() for dev, t in r.items()}
+    if a.json:
+        from .atomic import atomic_write_text
+        atomic_write_text(a.json, json.dumps(results, indent=1) + "\n")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="megatron-tp-overlap", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    v = sub.add_parser("validate", help="check a --tp-comm-overlap-cfg YAML against TE's rules")
+    v.add_argument("yaml")
+    v.add_argument("--tp", type=int, default=None)
+    v.add_argument("--fp8", action="store_true")
+    v.add_argument("--sm-count", type=int, default=None)
+    v.set_defaults(fn=_validate)
+    pr = sub.add_parser("preset", help="list the presets, or print one as YAML")
+    pr.add_argument("name", nargs="?")
+    pr.set_defaults(fn=_preset)
+    an = sub.add_parser("analyze", help="GEMM / communication / overlap time in torch-profiler Chrome traces")
+    an.add_argument("traces", nargs="+")
+    an.add_argument("--json", default=None, help="also write the figures as JSON")
+    an.set_defaults(fn=_analyze)
+    a = p.parse_args(argv)
+    return a.fn(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
