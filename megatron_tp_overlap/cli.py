@@ -3,6 +3,7 @@
     megatron-tp-overlap validate ub.yaml [--tp 4] [--fp8] [--sm-count 132]
     megatron-tp-overlap preset [NAME]          # list the presets, or print one as YAML
     megatron-tp-overlap analyze TRACE.json [--json OUT]
+    megatron-tp-overlap sweep --model Qwen/Qwen3-8B --max-tp-size 4 --max-token-len 8192 --operators qkv proj fc1 fc2
 """
 from __future__ import annotations
 
@@ -57,6 +58,20 @@ def _analyze(a: argparse.Namespace) -> int:
     return 0
 
 
+def _sweep(a: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .sweep import run_sweep
+    try:
+        report = run_sweep(a.model, a.max_tp_size, a.max_token_len, a.operators, a.layers, Path(a.out), a.tol,
+                           a.profile, a.budget_s)
+    except ValueError as e:
+        print(f"sweep: {e}", file=sys.stderr)
+        return 1
+    print((Path(a.out) / "summary.txt").read_text())
+    return 0 if report else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="megatron-tp-overlap", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -73,6 +88,17 @@ def main(argv: list[str] | None = None) -> int:
     an.add_argument("traces", nargs="+")
     an.add_argument("--json", default=None, help="also write the figures as JSON")
     an.set_defaults(fn=_analyze)
+    sw = sub.add_parser("sweep", help="tune and time a model's layers at TP = 1, 2, 4, ...; recommend a TP size")
+    sw.add_argument("--model", required=True, help="e.g. Qwen/Qwen3-8B (shipped), or a local config directory")
+    sw.add_argument("--max-tp-size", type=int, default=8)
+    sw.add_argument("--max-token-len", type=int, default=8192, help="tokens per micro-batch (sequence x batch)")
+    sw.add_argument("--operators", nargs="+", default=["qkv", "proj", "fc1", "fc2"], choices=["qkv", "proj", "fc1", "fc2"])
+    sw.add_argument("--layers", type=int, default=2)
+    sw.add_argument("--tol", type=float, default=0.2, help="TP=n is efficient if time <= time(1)/n x (1 + tol)")
+    sw.add_argument("--budget-s", type=float, default=60.0, help="tuning budget per TP size")
+    sw.add_argument("--profile", action="store_true", help="torch-profiler traces and overlap ratios")
+    sw.add_argument("--out", default="sweep_out")
+    sw.set_defaults(fn=_sweep)
     a = p.parse_args(argv)
     return a.fn(a)
 

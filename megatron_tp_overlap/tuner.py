@@ -76,6 +76,7 @@ class Autotuner:
     allow_overlap_off: bool = True  # False: "no overlap" is measured for the report but never chosen
     trial_timeout_s: float = 120.0  # a trial slower than this is rejected (checked when it returns)
     faults: list = field(default_factory=lambda: faults_from_env())  # reliability tests only
+    gemms: set[str] | None = None  # tune only these GEMMs (others keep the reference's setting)
 
     def __post_init__(self) -> None:
         self.modules: list[OverlapModule] = find_overlap_modules(self.model)
@@ -180,6 +181,8 @@ class Autotuner:
         self._t0 = t0
         priors = list(self.priors) if self.priors is not None else [UbConfig(), *PRESETS.values()]
         space = build_space(self.topology, self.ctx, [self.reference, *priors], self.space_spec)
+        if self.gemms is not None:
+            space = {g: v for g, v in space.items() if g in self.gemms}
         reference = TuningConfig(self.reference, frozenset(), "reference")
         baselines = {"no overlap": all_off(self.topology, reference)}
         if len(self.reference):

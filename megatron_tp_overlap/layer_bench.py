@@ -1,0 +1,151 @@
+"""One TP size of the offline sweep: a stack of ``te.TransformerLayer`` with a model's real dimensions,
+tuned with the engine (TP >= 2) and timed; run under torchrun by ``megatron-tp-overlap sweep``.
+
+    torchrun --nproc-per-node=N -m megatron_tp_overlap.layer_bench --model Qwen/Qwen3-8B --layers 2 \\
+        --tokens 8192 --operators qkv proj fc1 fc2 --out DIR [--profile]
+
+Writes ``DIR/tp{N}.json`` (step times of no overlap / TE default / tuned, per-slot times, chosen
+config), ``DIR/tp{N}_tuning_report.json`` and, with ``--profile``, ``DIR/tp{N}_trace.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+from pathlib import Path
+from typing import Any
+
+OPERATORS = ("qkv", "proj", "fc1", "fc2")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="shipped model name, HF cache name, or a local config directory")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--tokens", type=int, default=8192, help="sequence length x micro-batch")
+    p.add_argument("--operators", nargs="+", default=list(OPERATORS), choices=OPERATORS)
+    p.add_argument("--budget-s", type=float, default=60.0)
+    p.add_argument("--timing-steps", type=int, default=20)
+    p.add_argument("--profile", action="store_true", help="also write a torch-profiler trace of the tuned config")
+    p.add_argument("--out", required=True)
+    return p.parse_args(argv)
+
+
+def time_steps(step: Any, n: int) -> float:
+    """Median ms of ``n`` steps (CUDA events), max over ranks."""
+    import torch
+    import torch.distributed as dist
+    for _ in range(3):
+        step()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+    for s, e in ev:
+        s.record()
+        step()
+        e.record()
+    torch.cuda.synchronize()
+    t = torch.tensor([statistics.median(s.elapsed_time(e) for s, e in ev)], device="cuda")
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = parse_args(argv)
+    import torch
+    import torch.distributed as dist
+    import transformer_engine.pytorch as te
+    from transformer_engine.pytorch.module import base as te_base
+
+    from .models import load_model_dims
+    from .numerics import Fingerprint
+    from .search import SearchOptions
+    from .space import SpaceSpec, TuningConfig, all_off
+    from .tuner import Autotuner
+    from .ub_config import UbConfig
+    from .ub_runtime import capture_initialize_ub
+
+    d = load_model_dims(a.model)
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl")
+    tp, rank = dist.get_world_size(), dist.get_rank()
+    out = Path(a.out)
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+    overlap = tp > 1
+    init = None
+    if overlap:
+        with capture_initialize_ub() as calls:
+            te_base.initialize_ub(shape=[a.tokens, d.hidden], tp_size=tp, dtype=torch.bfloat16, ub_cfgs={},
+                                  quantization_modes=[te_base.UserBufferQuantizationMode.NONE], bootstrap_backend="nccl")
+        init = calls[0]
+    torch.manual_seed(1234)
+    layers = [te.TransformerLayer(
+        d.hidden, d.ffn, d.heads, num_gqa_groups=d.kv_heads, kv_channels=d.head_dim, layer_number=i + 1,
+        hidden_dropout=0.0, attention_dropout=0.0, self_attn_mask_type="causal", attn_input_format="sbhd",
+        activation="swiglu" if d.gated_mlp else "gelu", normalization="RMSNorm" if d.gated_mlp else "LayerNorm",
+        params_dtype=torch.bfloat16, sequence_parallel=overlap, tp_group=dist.group.WORLD, tp_size=tp,
+        set_parallel_mode=overlap, fuse_qkv_params=True, seq_length=a.tokens, micro_batch_size=1,
+        ub_tp_comm_overlap=overlap) for i in range(a.layers)]
+    model = torch.nn.Sequential(*layers).cuda()
+    g = torch.Generator(device="cuda").manual_seed(42 + rank)
+    shape = (a.tokens // tp, 1, d.hidden)
+    x = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
+    dy = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=g)
+
+    def step() -> None:
+        model(x).backward(dy)
+
+    result: dict[str, Any] = {"tp": tp, "model": a.model, "dims": d.__dict__, "layers": a.layers, "tokens": a.tokens,
+                              "gpu": torch.cuda.get_device_name()}
+    if not overlap:
+        result["step_ms"] = {"no overlap": time_steps(step, a.timing_steps)}
+    else:
+        fp = Fingerprint()
+
+        def fingerprint() -> Any:
+            model.zero_grad(set_to_none=True)
+            x.grad = None
+            y = model(x)
+            y.backward(dy)
+            f = fp([y, x.grad, *(p.grad for p in model.parameters())])
+            del y
+            model.zero_grad(set_to_none=True)
+            return f
+
+        keep = {f"{op}_{ph}" for op in a.operators for ph in ("fprop", "dgrad", "wgrad")}
+        tuner = Autotuner(model, step, init, options=SearchOptions(max_seconds=a.budget_s), space_spec=SpaceSpec(),
+                          verify_fn=fingerprint, gemms=keep)
+        res = tuner.tune()
+        if rank == 0:
+            print(res.summary, flush=True)
+        sw = tuner.switcher
+        cases = {"no overlap": all_off(tuner.topology, TuningConfig(UbConfig())), "TE default": TuningConfig(UbConfig()),
+                 "tuned": res.best}
+        times = {}
+        for name, c in cases.items():
+            sw.apply(c)
+            times[name] = time_steps(step, a.timing_steps)
+        result["step_ms"] = times
+        result["chosen"] = res.best.to_dict()
+        result["per_gemm_choices"] = res.search.choices
+        result["slot_ms"] = res.report["summary"]
+        if rank == 0:
+            (out / f"tp{tp}_tuning_report.json").write_text(json.dumps(res.report, indent=1, default=str))
+        if a.profile:
+            from torch.profiler import ProfilerActivity, profile
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                step()
+                torch.cuda.synchronize()
+            if rank == 0:
+                prof.export_chrome_trace(str(out / f"tp{tp}_trace.json"))
+    if rank == 0:
+        (out / f"tp{tp}.json").write_text(json.dumps(result, indent=1, default=str))
+    dist.barrier()
+    if overlap:
+        te_base.destroy_ub()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""Sweep planning and outputs from synthetic per-TP results (the GPU part runs layer_bench)."""
+import json
+
+import pytest
+
+from megatron_tp_overlap.models import ModelDims, load_model_dims
+from megatron_tp_overlap.sweep import plan_tp_sizes, write_outputs
+from megatron_tp_overlap.ub_config import load_yaml
+
+pytest.importorskip("transformers")
+D = ModelDims("x", 4096, 12288, 32, 8, 128, 36, 151936, True)
+
+
+def test_plan():
+    assert plan_tp_sizes(D, 4, 4, 8192) == [1, 2, 4]
+    assert plan_tp_sizes(D, 8, 2, 8192) == [1, 2]
+    assert plan_tp_sizes(ModelDims("y", 1024, 3072, 16, 2, 128, 2, 1, True), 8, 8, 8192) == [1, 2]  # 2 KV heads
+    with pytest.raises(ValueError, match="needs CUDA GPUs"):
+        plan_tp_sizes(D, 4, 0, 8192)
+
+
+def result(tp, tuned, te_default=None, off=None):
+    steps = {"no overlap": off if off is not None else tuned}
+    if tp > 1:
+        steps.update({"tuned": tuned, "TE default": te_default})
+    chosen = {"ub_cfgs": {"fc2_fprop": {"method": "ring_exchange"}} if tp > 1 else {}, "overlap_off": []}
+    return {"tp": tp, "model": "Qwen/Qwen3-8B", "step_ms": steps, "chosen": chosen}
+
+
+def test_outputs(tmp_path):
+    res = {1: result(1, 40.0), 2: result(2, 22.0, 23.0, 24.0), 4: result(4, 13.5, 14.0, 15.0)}
+    rep = write_outputs(res, tmp_path, tol=0.2, overlap={2: {"0": 0.61}})
+    # TP=2: 22.0 <= 40/2 x 1.2 = 24 (efficient); TP=4: 13.5 > 40/4 x 1.2 = 12 (not)
+    assert rep["recommended_tp"] == 2
+    assert [v["efficient"] for v in rep["verdicts"]] == [True, True, False]
+    for f in ("tuning_report.json", "summary.txt", "tp_scaling.png", "optimal_tp_comm_overlap_cfg.yaml",
+              "optimal_tp_comm_overlap_cfg_tp1.yaml", "optimal_tp_comm_overlap_cfg_tp2.yaml", "optimal_tp_comm_overlap_cfg_tp4.yaml"):
+        assert (tmp_path / f).exists(), f
+    assert load_yaml(tmp_path / "optimal_tp_comm_overlap_cfg.yaml").get("fc2_fprop").method == "ring_exchange"
+    assert len(load_yaml(tmp_path / "optimal_tp_comm_overlap_cfg_tp1.yaml")) == 0
+    summary = (tmp_path / "summary.txt").read_text()
+    assert "recommended TP = 2" in summary and "not efficient" in summary and "explanation only" in summary
+    assert json.loads((tmp_path / "tuning_report.json").read_text())["overlap_from_traces"]["2"]["0"] == 0.61
+
+
+def test_sweep_cli_errors_before_gpu_work(capsys):
+    from megatron_tp_overlap.cli import main
+    assert main(["sweep", "--model", "acme/Nope-1B", "--out", "/tmp/x"]) == 1
+    assert "not shipped" in capsys.readouterr().err
