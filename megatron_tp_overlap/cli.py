@@ -3,6 +3,7 @@
     megatron-tp-overlap validate ub.yaml [--tp 4] [--fp8] [--sm-count 132]
     megatron-tp-overlap preset [NAME]          # list the presets, or print one as YAML
     megatron-tp-overlap analyze TRACE.json [--json OUT]
+    megatron-tp-overlap bench ag|rs M N K [--dtype bfloat16] [--iters 10] [--sweep-m 1024,2048]
     megatron-tp-overlap sweep --model Qwen/Qwen3-8B --max-tp-size 4 --max-token-len 8192 --operators qkv proj fc1 fc2
 """
 from __future__ import annotations
@@ -73,8 +74,13 @@ def _sweep(a: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:  # its own parser; it starts torchrun itself when not under it
+        from .bench import main as bench_main
+        return bench_main(argv[1:])
     p = argparse.ArgumentParser(prog="megatron-tp-overlap", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("bench", help="AG+GEMM / GEMM+RS kernels: every overlap backend vs the bound (see bench --help)")
     v = sub.add_parser("validate", help="check a --tp-comm-overlap-cfg YAML against TE's rules")
     v.add_argument("yaml")
     v.add_argument("--tp", type=int, default=None)
