@@ -50,6 +50,8 @@ def main() -> None:
     p.add_argument("--budget-s", type=float, default=60)
     p.add_argument("--runs", default="autotune,tuned_yaml,te_default,no_overlap")
     p.add_argument("--tag", default="")
+    p.add_argument("--deterministic", action="store_true",
+                   help="Megatron's --deterministic-mode (for bitwise loss comparisons) and the bitwise state check")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     a = p.parse_args()
     out = Path(a.out)
@@ -71,7 +73,10 @@ def main() -> None:
             f.unlink()
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={a.gpus}", "-m", "megatron_tp_overlap.run",
                a.script, *model_args(a), *extra[kind]]
-        env = {**os.environ, "MEGATRON_TP_OVERLAP_LOSS_LOG": str(loss_log)}
+        env = {**os.environ, "MEGATRON_TP_OVERLAP_LOSS_LOG": str(loss_log), "MEGATRON_TP_OVERLAP_CHECK_STATE": "1"}
+        if a.deterministic:
+            cmd.append("--deterministic-mode")
+            env["NVTE_ALLOW_NONDETERMINISTIC_ALGO"] = "0"
         t0 = time.time()
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         wall = time.time() - t0
@@ -104,7 +109,8 @@ def main() -> None:
     if report.exists():
         r = json.loads(report.read_text())
         results["tuning"] = {"decision": r["decision"], "wall_s": r["meta"]["wall_s"], "switches": r["meta"]["switches"],
-                             "summary": r["summary"]}
+                             "summary": r["summary"], "state_check": r.get("state_check"),
+                             "numerics_guard": r["meta"].get("numerics_guard")}
     (out / f"megatron_{tag}.json").write_text(json.dumps(results, indent=1))
     print(f"\n| {tag} | run | iter ms (median, iters 6+) | spread | rc |\n|---|---|---|---|---|")
     for k, v in results.items():

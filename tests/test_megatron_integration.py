@@ -167,3 +167,23 @@ def test_state_snapshot_restores_the_tp_rng_tracker_every_time():
         tr.fork()
         s.restore()
         assert tr.states_["model-parallel-rng"].item() == 1
+
+
+def test_state_check_sees_every_kind_of_change():
+    from megatron_tp_overlap.integrations.megatron import StateCheck
+    model = [torch.nn.Linear(4, 4)]
+    opt = torch.optim.Adam(model[0].parameters())
+    model[0](torch.randn(2, 4)).sum().backward()
+    opt.step()  # creates optimizer state
+    tr = FakeTracker()
+    check = StateCheck(model, opt, tracker=tr)
+    assert check.mismatches() == []
+    with torch.no_grad():
+        model[0].weight[0, 0] += 1e-7
+    opt.state[model[0].weight]["exp_avg"][0, 0] += 1.0
+    model[0].bias.grad.zero_()
+    torch.rand(1)
+    tr.fork()
+    bad = check.mismatches()
+    assert {"param 0.weight", "grad 0.bias", "CPU RNG state", "TP RNG tracker 'model-parallel-rng'"} <= set(bad)
+    assert any(b.startswith("optimizer state") for b in bad)

@@ -215,6 +215,61 @@ class StateSnapshot:
                 getattr(mod.fp8_meta[k], a).copy_(v)
 
 
+def _optimizer_tensors(optimizer: Any) -> list[Any]:
+    """Every state tensor of a (Megatron-wrapped, possibly chained) optimizer, in a fixed order."""
+    import torch
+    out = []
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for groups_attr in ("shard_fp32_from_float16_groups", "fp32_from_float16_groups"):
+            for group in getattr(opt, groups_attr, None) or []:
+                out += [t for t in group if isinstance(t, torch.Tensor)]
+        inner = getattr(opt, "optimizer", opt)
+        for st in getattr(inner, "state", {}).values():
+            out += [v for _, v in sorted(st.items()) if isinstance(v, torch.Tensor)]
+    return out
+
+
+class StateCheck:
+    """Bitwise check that tuning left the training state as it found it (MEGATRON_TP_OVERLAP_CHECK_STATE=1):
+    parameters, gradient buffers, optimizer state tensors, RNG states (CPU, CUDA, TP tracker)."""
+
+    def __init__(self, model: Sequence[Any], optimizer: Any, tracker: Any = None):
+        import torch
+        self.model, self.optimizer = model, optimizer
+        self.tracker = tracker if tracker is not None else StateSnapshot._megatron_tracker()
+        self.before = self._tensors()
+        self.rng = (torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+                    StateSnapshot._clone(self.tracker.get_states()) if self.tracker is not None else {})
+
+    def _tensors(self) -> dict[str, Any]:
+        out = {}
+        for i, chunk in enumerate(self.model):
+            for n, p in chunk.named_parameters():
+                out[f"param {i}.{n}"] = p.detach().clone()
+                g = getattr(p, "main_grad", None)
+                g = g if g is not None else p.grad
+                if g is not None:
+                    out[f"grad {i}.{n}"] = g.detach().clone()
+        for j, t in enumerate(_optimizer_tensors(self.optimizer)):
+            out[f"optimizer state {j}"] = t.detach().clone()
+        return out
+
+    def mismatches(self) -> list[str]:
+        import torch
+        after = self._tensors()
+        bad = [k for k in self.before.keys() | after.keys()
+               if k not in self.before or k not in after or not torch.equal(self.before[k], after[k])]
+        cpu, cuda, tr = self.rng
+        if not torch.equal(cpu, torch.get_rng_state()):
+            bad.append("CPU RNG state")
+        if torch.cuda.is_available() and any(not torch.equal(a, b) for a, b in zip(cuda, torch.cuda.get_rng_state_all())):
+            bad.append("CUDA RNG state")
+        if self.tracker is not None:
+            now = self.tracker.get_states()
+            bad += [f"TP RNG tracker '{k}'" for k in tr if k not in now or not torch.equal(tr[k], now[k])]
+        return sorted(bad)
+
+
 # ---------------------------------------------------------------------------------------------
 # The callback
 # ---------------------------------------------------------------------------------------------
@@ -339,6 +394,7 @@ class TPOverlapAutotuneCallback:
         # candidate instead of ending the job.
         checks = {k: getattr(args, k, False) for k in ("check_for_nan_in_loss_and_grad", "check_for_spiky_loss")}
         zero()
+        state_check = StateCheck(model, optimizer) if os.environ.get("MEGATRON_TP_OVERLAP_CHECK_STATE") == "1" else None
         try:
             for k in checks:
                 setattr(args, k, False)
@@ -351,6 +407,11 @@ class TPOverlapAutotuneCallback:
             snapshot.restore()
         self.result = res
         self.log(res.summary)
+        if state_check is not None:
+            bad = state_check.mismatches()
+            res.report["state_check"] = "bitwise identical" if not bad else bad
+            self.log(f"[tp-overlap-autotune] training state after tuning: "
+                     + ("bitwise identical (parameters, gradients, optimizer state, RNG)" if not bad else f"CHANGED: {bad[:8]}"))
 
         meta = {**key, "wall_s": round(time.perf_counter() - t0, 2), "chosen": res.best.label}
         flags = ["--tp-comm-overlap", f"--tp-comm-overlap-cfg {out}"]
