@@ -149,8 +149,9 @@ def validate(cfg: Any, world_size: int) -> list[str]:
                 p.append(f"tp_overlap.file: {e}")
     if ov.budget_s <= 0 or ov.budget_steps < 1:
         p.append(f"tp_overlap.budget_s = {ov.budget_s}, budget_steps = {ov.budget_steps}: must be > 0 and >= 1")
-    if ov.strategy not in ("coordinate", "exhaustive"):
-        p.append(f"tp_overlap.strategy = {ov.strategy!r}: must be coordinate or exhaustive")
+    from .search import STRATEGIES
+    if ov.strategy not in STRATEGIES:
+        p.append(f"tp_overlap.strategy = {ov.strategy!r}: must be one of {', '.join(STRATEGIES)}")
     if tr.precision not in ("bf16", "fp8"):
         p.append(f"training.precision = {tr.precision!r}: must be bf16 or fp8")
     kv = m.num_query_groups or m.num_attention_heads

@@ -13,8 +13,9 @@ import argparse
 import json
 import os
 import statistics
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 OPERATORS = ("qkv", "proj", "fc1", "fc2")
 
@@ -50,20 +51,74 @@ def time_steps(step: Any, n: int) -> float:
     return t.item()
 
 
-def main(argv: list[str] | None = None) -> None:
-    a = parse_args(argv)
+@dataclass
+class LayerStack:
+    model: Any
+    init: Any  # UbInitArgs, or None without overlap
+    step: Callable[[], None]  # fwd+bwd on a fixed batch, keeps nothing
+    fingerprint: Callable[[], Any]  # numerics.Fingerprint of outputs and all gradients of one step
+
+
+def build_stack(d: Any, layers: int, seq: int, mbs: int, overlap: bool, seed: int = 1234) -> LayerStack:
+    """``layers`` x ``te.TransformerLayer`` with the dims of ``d`` (models.ModelDims), sequence
+    parallel over the world group, userbuffers initialized (TE defaults) when ``overlap``."""
     import torch
     import torch.distributed as dist
     import transformer_engine.pytorch as te
     from transformer_engine.pytorch.module import base as te_base
 
-    from .models import load_model_dims
     from .numerics import Fingerprint
+    from .ub_runtime import capture_initialize_ub
+
+    tp, rank = dist.get_world_size(), dist.get_rank()
+    init = None
+    if overlap:
+        with capture_initialize_ub() as calls:
+            te_base.initialize_ub(shape=[seq * mbs, d.hidden], tp_size=tp, dtype=torch.bfloat16, ub_cfgs={},
+                                  quantization_modes=[te_base.UserBufferQuantizationMode.NONE], bootstrap_backend="nccl")
+        init = calls[0]
+    torch.manual_seed(seed)
+    sp = tp > 1
+    model = torch.nn.Sequential(*[te.TransformerLayer(
+        d.hidden, d.ffn, d.heads, num_gqa_groups=d.kv_heads, kv_channels=d.head_dim, layer_number=i + 1,
+        hidden_dropout=0.0, attention_dropout=0.0, self_attn_mask_type="causal", attn_input_format="sbhd",
+        activation="swiglu" if d.gated_mlp else "gelu", normalization="RMSNorm" if d.gated_mlp else "LayerNorm",
+        params_dtype=torch.bfloat16, sequence_parallel=sp, tp_group=dist.group.WORLD, tp_size=tp,
+        set_parallel_mode=sp, fuse_qkv_params=True, seq_length=seq, micro_batch_size=mbs,
+        ub_tp_comm_overlap=overlap) for i in range(layers)]).cuda()
+    g = torch.Generator(device="cuda").manual_seed(42 + rank)
+    shape = (seq // tp, mbs, d.hidden)
+    x = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
+    dy = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=g)
+    fp = Fingerprint()
+
+    def step() -> None:
+        model(x).backward(dy)
+
+    def fingerprint() -> Any:
+        model.zero_grad(set_to_none=True)
+        x.grad = None
+        y = model(x)
+        y.backward(dy)
+        f = fp([y, x.grad, *(p.grad for p in model.parameters())])
+        del y
+        model.zero_grad(set_to_none=True)
+        return f
+
+    return LayerStack(model, init, step, fingerprint)
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = parse_args(argv)
+    import torch
+    import torch.distributed as dist
+    from transformer_engine.pytorch.module import base as te_base
+
+    from .models import load_model_dims
     from .search import SearchOptions
     from .space import SpaceSpec, TuningConfig, all_off
     from .tuner import Autotuner
     from .ub_config import UbConfig
-    from .ub_runtime import capture_initialize_ub
 
     d = load_model_dims(a.model)
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -73,46 +128,14 @@ def main(argv: list[str] | None = None) -> None:
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
     overlap = tp > 1
-    init = None
-    if overlap:
-        with capture_initialize_ub() as calls:
-            te_base.initialize_ub(shape=[a.tokens, d.hidden], tp_size=tp, dtype=torch.bfloat16, ub_cfgs={},
-                                  quantization_modes=[te_base.UserBufferQuantizationMode.NONE], bootstrap_backend="nccl")
-        init = calls[0]
-    torch.manual_seed(1234)
-    layers = [te.TransformerLayer(
-        d.hidden, d.ffn, d.heads, num_gqa_groups=d.kv_heads, kv_channels=d.head_dim, layer_number=i + 1,
-        hidden_dropout=0.0, attention_dropout=0.0, self_attn_mask_type="causal", attn_input_format="sbhd",
-        activation="swiglu" if d.gated_mlp else "gelu", normalization="RMSNorm" if d.gated_mlp else "LayerNorm",
-        params_dtype=torch.bfloat16, sequence_parallel=overlap, tp_group=dist.group.WORLD, tp_size=tp,
-        set_parallel_mode=overlap, fuse_qkv_params=True, seq_length=a.tokens, micro_batch_size=1,
-        ub_tp_comm_overlap=overlap) for i in range(a.layers)]
-    model = torch.nn.Sequential(*layers).cuda()
-    g = torch.Generator(device="cuda").manual_seed(42 + rank)
-    shape = (a.tokens // tp, 1, d.hidden)
-    x = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
-    dy = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=g)
-
-    def step() -> None:
-        model(x).backward(dy)
+    stack = build_stack(d, a.layers, a.tokens, 1, overlap)
+    model, init, step, fingerprint = stack.model, stack.init, stack.step, stack.fingerprint
 
     result: dict[str, Any] = {"tp": tp, "model": a.model, "dims": d.__dict__, "layers": a.layers, "tokens": a.tokens,
                               "gpu": torch.cuda.get_device_name()}
     if not overlap:
         result["step_ms"] = {"no overlap": time_steps(step, a.timing_steps)}
     else:
-        fp = Fingerprint()
-
-        def fingerprint() -> Any:
-            model.zero_grad(set_to_none=True)
-            x.grad = None
-            y = model(x)
-            y.backward(dy)
-            f = fp([y, x.grad, *(p.grad for p in model.parameters())])
-            del y
-            model.zero_grad(set_to_none=True)
-            return f
-
         keep = {f"{op}_{ph}" for op in a.operators for ph in ("fprop", "dgrad", "wgrad")}
         tuner = Autotuner(model, step, init, options=SearchOptions(max_seconds=a.budget_s), space_spec=SpaceSpec(),
                           verify_fn=fingerprint, gemms=keep)

@@ -43,9 +43,12 @@ Evaluate = Callable[[TuningConfig, int, int], Measurement]  # (config, steps, wa
 Verify = Callable[[TuningConfig], "str | None"]  # None when the config computes the right numbers
 
 
+STRATEGIES = ("coordinate", "slot_exhaustive", "exhaustive")
+
+
 @dataclass(frozen=True)
 class SearchOptions:
-    strategy: str = "coordinate"  # coordinate | exhaustive
+    strategy: str = "coordinate"  # coordinate | slot_exhaustive | exhaustive
     max_steps: int = 400  # trial steps in all, warmups and confirmation included
     max_seconds: float = 60.0
     screen_steps: int = 2  # measured steps per screening trial
@@ -59,8 +62,8 @@ class SearchOptions:
     max_exhaustive: int = 512
 
     def __post_init__(self) -> None:
-        if self.strategy not in ("coordinate", "exhaustive"):
-            raise ValueError(f"strategy = {self.strategy!r}: must be 'coordinate' or 'exhaustive'")
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy = {self.strategy!r}: must be one of {', '.join(STRATEGIES)}")
         for k in ("max_steps", "screen_steps", "keep", "halving_steps", "confirm_steps", "confirm_rounds"):
             if getattr(self, k) < 1:
                 raise ValueError(f"{k} = {getattr(self, k)}: must be >= 1")
@@ -321,6 +324,70 @@ class Searcher:
         combined = TuningConfig(combined.ub, combined.disabled, "autotuned")
         return self._confirm(combined, contenders, choices)
 
+    # -- exhaustive within each slot ------------------------------------------------------------
+    def slot_exhaustive(self, reference: TuningConfig, baselines: dict[str, TuningConfig]) -> SearchResult:
+        """Every valid combination of the options of the GEMMs of each slot, slots measured side by
+        side (they run one after another), the best combination per slot combined and confirmed
+        end-to-end. Exhaustive under the assumption the confirmation checks: slots add up."""
+        self._slot_samples = {}
+        o = self.opt
+        combos: dict[str, list[tuple[Option, ...]]] = {}
+        for slot, gemms in self.topo.slots().items():
+            opts = [[None] + [x for x in self.space.get(g, []) if len(self._slots_of(x)) == 1] for g in gemms]
+            seen, found = {reference}, []
+            for combo in itertools.product(*opts):
+                c = reference
+                for x in combo:
+                    if x is not None:
+                        c = apply(c, x, self.topo)
+                if c not in seen and is_valid(c, self.ctx):
+                    seen.add(c)
+                    found.append(tuple(x for x in combo if x is not None))
+            combos[slot] = found
+        total = sum(len(v) for v in combos.values())
+        if total > o.max_exhaustive * 8:
+            raise ValueError(f"slot-exhaustive search over {total} combinations exceeds max_exhaustive x 8; narrow the space")
+        self.planned_trials = 1 + max((len(v) for v in combos.values()), default=0) + o.confirm_rounds * (len(baselines) + 2)
+        contenders = {"reference": reference, **baselines}
+        confirm_cost = (len(contenders) + 1) * o.confirm_rounds * (o.confirm_steps + o.warmup_steps)
+        self._run("baseline", reference, {"*": "incumbent"}, o.screen_steps * 2)
+        scores: dict[tuple[str, tuple[Option, ...]], list[float]] = {}
+        for r in range(max((len(v) for v in combos.values()), default=0)):
+            if not self._can_afford(o.screen_steps, reserve_steps=confirm_cost):
+                break
+            config, tested = reference, {}
+            for slot, found in combos.items():
+                if r < len(found):
+                    for x in found[r]:
+                        config = apply(config, x, self.topo)
+                    tested[slot] = "; ".join(f"{x.gemm}: {x.label}" for x in found[r])
+            t = self._run("exhaustive", config, tested, o.screen_steps)
+            if t.error:
+                continue
+            for slot in tested:
+                vals = self._slot_samples[config].get(slot, [])[-o.screen_steps:]
+                if vals:
+                    scores[(slot, combos[slot][r])] = vals
+        inc = self._slot_samples.get(reference, {})
+        combined, choices = reference, {}
+        for slot in combos:
+            cands = [(k[1], v) for k, v in scores.items() if k[0] == slot]
+            if not cands or not inc.get(slot):
+                continue
+            best, vals = min(cands, key=lambda kv: statistics.median(kv[1]))
+            gain = statistics.median(inc[slot]) - statistics.median(vals)
+            choices[slot] = {"option": "; ".join(f"{x.gemm}: {x.label}" for x in best), "gain_ms": round(gain, 4),
+                             "combinations": len(combos[slot]), "accepted": gain > 0}
+            if gain > 0:
+                trial = combined
+                for x in best:
+                    trial = apply(trial, x, self.topo)
+                if is_valid(trial, self.ctx) and not self._verify(trial):
+                    combined = trial
+                else:
+                    choices[slot]["accepted"] = False
+        return self._confirm(TuningConfig(combined.ub, combined.disabled, "slot-exhaustive best"), contenders, choices)
+
     # -- exhaustive -----------------------------------------------------------------------------
     def exhaustive(self, reference: TuningConfig, baselines: dict[str, TuningConfig]) -> SearchResult:
         self._slot_samples = {}
@@ -400,4 +467,6 @@ class Searcher:
     def run(self, reference: TuningConfig, baselines: dict[str, TuningConfig]) -> SearchResult:
         if self.opt.strategy == "exhaustive":
             return self.exhaustive(reference, baselines)
+        if self.opt.strategy == "slot_exhaustive":
+            return self.slot_exhaustive(reference, baselines)
         return self.coordinate(reference, baselines)

@@ -132,3 +132,21 @@ def test_options_are_validated():
         SearchOptions(strategy="random")
     with pytest.raises(ValueError, match="max_steps"):
         SearchOptions(max_steps=0)
+
+
+def test_slot_exhaustive_finds_the_optimum_and_costs_more_than_coordinate():
+    topo, space, ref, base = setup()
+    big = SearchOptions(max_steps=100_000, max_seconds=1e9, strategy="slot_exhaustive")
+    ex = Searcher(topo, space, Synthetic(topo), CTX, big).run(ref, base)
+    want = best_possible(topo, space)
+    assert {g: cost(g, ex.best) for g in space} == pytest.approx(want, abs=1e-9)
+    co = Searcher(topo, space, Synthetic(topo), CTX, SearchOptions(max_steps=100_000, max_seconds=1e9)).run(ref, base)
+    assert co.steps_run < ex.steps_run  # the cheap search is the point
+    assert all(c["combinations"] >= 1 for c in ex.choices.values())
+
+
+def test_slot_exhaustive_respects_the_budget():
+    topo, space, ref, base = setup()
+    res = Searcher(topo, space, Synthetic(topo), CTX, SearchOptions(strategy="slot_exhaustive", max_steps=150,
+                                                                     max_seconds=1e9)).run(ref, base)
+    assert res.steps_run <= 150 and res.budget_hit

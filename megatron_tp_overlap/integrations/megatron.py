@@ -46,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "apply it, and write it as a --tp-comm-overlap-cfg YAML.")
     g.add_argument(f"{FLAG}-steps", type=int, default=400, help="Budget: trial steps (warmups included).")
     g.add_argument(f"{FLAG}-seconds", type=float, default=60.0, help="Budget: wall seconds of tuning.")
-    g.add_argument(f"{FLAG}-strategy", choices=["coordinate", "exhaustive"], default="coordinate")
+    g.add_argument(f"{FLAG}-strategy", choices=["coordinate", "slot_exhaustive", "exhaustive"], default="coordinate")
     g.add_argument(f"{FLAG}-output", type=str, default=None,
                    help="Tuned YAML path (default: next to --tp-comm-overlap-cfg, else in --save, else ./).")
     g.add_argument(f"{FLAG}-reuse", action="store_true",

@@ -1,0 +1,196 @@
+"""Autotuned vs every baseline vs slot-exhaustive search vs the bound (issue 8), under torchrun:
+
+    torchrun --nproc-per-node=N benchmarks/overlap_vs_baselines.py --cases llama3_8b,llama3_70b,gpt3_20b \\
+        --layers 2 --out DIR
+
+Per case (TP = all processes), the fwd+bwd step time of a stack of te.TransformerLayer (median of
+--steps steps per round, --rounds interleaved rounds, spread reported) with: no TP overlap (NCCL),
+TE default ub_cfgs, the closest NeMo preset, the slot-exhaustive best and the autotuner; the
+communication-only time of the same collectives (NCCL, standalone: per layer 6 all-gathers and 4
+reduce-scatters of the [tokens, hidden] activation); overlap efficiency (T_no_overlap - T) / T_comm.
+Writes overlap_vs_baselines_tp{N}.json / .md and a bar chart.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+CASES = {  # name: (shipped model config, seq, micro-batch)
+    "llama3_8b": ("meta-llama/Meta-Llama-3-8B", 8192, 1),
+    "llama3_70b": ("meta-llama/Meta-Llama-3-70B", 4096, 1),
+    "gpt3_20b": ("gpt3/gpt3-20b", 2048, 2),
+}
+AG_PER_LAYER, RS_PER_LAYER = 6, 4  # fwd: 2 AG + 2 RS; bwd: 2 AG of grads, 2 AG of ln_out for wgrad, 2 RS
+
+
+def efficiency(t_no_overlap: float, t: float, t_comm: float) -> float:
+    return (t_no_overlap - t) / t_comm if t_comm > 0 else 0.0
+
+
+def comm_only_ms(tokens: int, hidden: int, layers: int, iters: int = 20) -> dict[str, float]:
+    import torch
+    import torch.distributed as dist
+    tp = dist.get_world_size()
+    full = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    shard = torch.empty(tokens // tp, hidden, device="cuda", dtype=torch.bfloat16)
+
+    def timed(fn) -> float:
+        for _ in range(3):
+            fn()
+        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+        for s, e in ev:
+            s.record()
+            fn()
+            e.record()
+        torch.cuda.synchronize()
+        t = torch.tensor([statistics.median(s.elapsed_time(e) for s, e in ev)], device="cuda")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.item()
+
+    ag = timed(lambda: dist.all_gather_into_tensor(full, shard))
+    rs = timed(lambda: dist.reduce_scatter_tensor(shard, full))
+    return {"all_gather_ms": ag, "reduce_scatter_ms": rs, "total_ms": layers * (AG_PER_LAYER * ag + RS_PER_LAYER * rs)}
+
+
+def run_case(name: str, layers: int, steps: int, rounds: int, budget_s: float, exhaustive: bool) -> dict:
+    import torch
+    import torch.distributed as dist
+    from transformer_engine.pytorch.module import base as te_base
+
+    from megatron_tp_overlap.layer_bench import build_stack
+    from megatron_tp_overlap.models import load_model_dims
+    from megatron_tp_overlap.presets import closest_preset, get_preset
+    from megatron_tp_overlap.search import SearchOptions
+    from megatron_tp_overlap.space import TuningConfig, all_off
+    from megatron_tp_overlap.tuner import Autotuner, rank0_print as log
+    from megatron_tp_overlap.ub_config import UbConfig
+
+    model_name, seq, mbs = CASES[name]
+    d = load_model_dims(model_name)
+    tp = dist.get_world_size()
+    stack = build_stack(d, layers, seq, mbs, overlap=True)
+    out: dict = {"case": name, "model": model_name, "tp": tp, "layers": layers, "seq": seq, "mbs": mbs, "dims": d.__dict__}
+    out["comm_only"] = comm_only_ms(seq * mbs, d.hidden, layers)
+
+    t0 = time.perf_counter()
+    auto_tuner = Autotuner(stack.model, stack.step, stack.init, options=SearchOptions(max_seconds=budget_s),
+                           verify_fn=stack.fingerprint)
+    auto = auto_tuner.tune()
+    out["autotune"] = {"wall_s": round(time.perf_counter() - t0, 2), "steps": auto.search.steps_run,
+                       "switches": auto.switches, "chosen": auto.best.to_dict(), "decision": auto.search.reason}
+    log(auto.summary)
+    contenders = {"no overlap": None, "TE default": TuningConfig(UbConfig(), frozenset(), "TE default")}
+    preset = closest_preset(d.hidden, tp, fp8=False)
+    contenders[f"preset {preset}"] = TuningConfig(get_preset(preset), frozenset(), preset)
+    contenders["autotuned"] = auto.best
+    tuner = None
+    if exhaustive:
+        t0 = time.perf_counter()
+        tuner = Autotuner(stack.model, stack.step, stack.init, verify_fn=stack.fingerprint,
+                          options=SearchOptions(strategy="slot_exhaustive", max_steps=100_000, max_seconds=1800))
+        ex = tuner.tune()
+        out["slot_exhaustive"] = {"wall_s": round(time.perf_counter() - t0, 2), "steps": ex.search.steps_run,
+                                  "switches": ex.switches, "chosen": ex.best.to_dict(), "decision": ex.search.reason}
+        contenders["slot-exhaustive best"] = ex.best
+    last = tuner or auto_tuner  # its switcher knows which config is live
+    sw = last.switcher
+    contenders["no overlap"] = all_off(last.topology, TuningConfig(UbConfig()))
+    times: dict[str, list[float]] = {k: [] for k in contenders}
+    for _ in range(rounds):
+        for k, c in contenders.items():
+            sw.apply(c)
+            for _ in range(3):
+                stack.step()
+            ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
+            for s, e in ev:
+                s.record()
+                stack.step()
+                e.record()
+            torch.cuda.synchronize()
+            t = torch.tensor([statistics.median(s.elapsed_time(e) for s, e in ev)], device="cuda")
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            times[k].append(t.item())
+    med = {k: statistics.median(v) for k, v in times.items()}
+    t_no, t_comm = med["no overlap"], out["comm_only"]["total_ms"]
+    out["step_ms"] = {k: {"median": round(v, 4), "spread": round(max(times[k]) - min(times[k]), 4),
+                          "efficiency": round(efficiency(t_no, v, t_comm), 3)} for k, v in med.items()}
+    out["comm_fraction_of_no_overlap"] = round(t_comm / t_no, 3)
+    baselines = min(med[k] for k in med if k in ("no overlap", "TE default") or k.startswith("preset"))
+    out["targets"] = {
+        "autotuned_le_baselines": med["autotuned"] <= baselines,
+        "within_1pct_of_exhaustive": None if not exhaustive else med["autotuned"] <= med["slot-exhaustive best"] * 1.01,
+        "tuning_steps_le_10pct_of_exhaustive": None if not exhaustive else out["autotune"]["steps"] <= 0.1 * out["slot_exhaustive"]["steps"],
+        "tuning_le_60s": out["autotune"]["wall_s"] <= 60,
+        "efficiency_ge_0.6": efficiency(t_no, med["autotuned"], t_comm) >= 0.6,
+    }
+    del stack, sw, tuner, last, auto_tuner
+    gc.collect()
+    torch.cuda.synchronize()
+    dist.barrier()
+    te_base.destroy_ub()
+    return out
+
+
+def render(results: list[dict]) -> str:
+    lines = ["| case | TP | config | step ms | spread | overlap efficiency | comm-only ms |", "|---|---|---|---|---|---|---|"]
+    for r in results:
+        for k, v in r["step_ms"].items():
+            lines.append(f"| {r['case']} | {r['tp']} | {k} | {v['median']:.3f} | {v['spread']:.3f} | {v['efficiency']:.2f} | "
+                         f"{r['comm_only']['total_ms']:.3f} |")
+    return "\n".join(lines)
+
+
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 4), squeeze=False)
+    for ax, r in zip(axes[0], results):
+        names = list(r["step_ms"])
+        ax.bar(range(len(names)), [r["step_ms"][n]["median"] for n in names],
+               yerr=[r["step_ms"][n]["spread"] / 2 for n in names], color="tab:blue")
+        ax.axhline(r["step_ms"]["no overlap"]["median"] - r["comm_only"]["total_ms"], color="tab:red", linestyle="--",
+                   label="no overlap - comm (all hidden)")
+        ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=7)
+        ax.set_ylabel("step ms")
+        ax.set_title(f"{r['case']} TP={r['tp']}", fontsize=9)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--cases", default=",".join(CASES))
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--budget-s", type=float, default=60.0)
+    p.add_argument("--no-exhaustive", action="store_true")
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    a = p.parse_args()
+    import torch
+    import torch.distributed as dist
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl")
+    results = [run_case(c, a.layers, a.steps, a.rounds, a.budget_s, not a.no_exhaustive) for c in a.cases.split(",")]
+    if dist.get_rank() == 0:
+        out = Path(a.out)
+        out.mkdir(parents=True, exist_ok=True)
+        tp = dist.get_world_size()
+        (out / f"overlap_vs_baselines_tp{tp}.json").write_text(json.dumps(results, indent=1, default=str))
+        (out / f"overlap_vs_baselines_tp{tp}.md").write_text(render(results) + "\n")
+        plot(results, out / f"overlap_vs_baselines_tp{tp}.png")
+        print(render(results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

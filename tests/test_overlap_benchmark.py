@@ -1,0 +1,30 @@
+"""The issue-8 benchmark's pure parts: efficiency arithmetic, report and chart from a result."""
+import importlib.util
+from pathlib import Path
+
+PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "overlap_vs_baselines.py"
+spec = importlib.util.spec_from_file_location("overlap_vs_baselines", PATH)
+ob = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(ob)
+
+
+def test_efficiency():
+    assert ob.efficiency(10.0, 8.0, 2.5) == 0.8
+    assert ob.efficiency(10.0, 10.5, 2.0) == -0.25  # slower than no overlap
+    assert ob.efficiency(10.0, 9.0, 0.0) == 0.0
+
+
+def test_cases_match_the_issue():
+    from megatron_tp_overlap.models import load_model_dims
+    d = load_model_dims(ob.CASES["llama3_70b"][0])
+    assert (d.hidden, d.ffn, d.heads, d.kv_heads) == (8192, 28672, 64, 8) and ob.CASES["llama3_70b"][1:] == (4096, 1)
+    assert ob.CASES["gpt3_20b"][1:] == (2048, 2) and load_model_dims(ob.CASES["gpt3_20b"][0]).hidden == 6144
+
+
+def test_render_and_plot(tmp_path):
+    r = {"case": "llama3_8b", "tp": 4, "comm_only": {"total_ms": 2.0},
+         "step_ms": {"no overlap": {"median": 10.0, "spread": 0.1, "efficiency": 0.0},
+                     "autotuned": {"median": 8.8, "spread": 0.1, "efficiency": 0.6}}}
+    assert "| llama3_8b | 4 | autotuned | 8.800 | 0.100 | 0.60 | 2.000 |" in ob.render([r])
+    ob.plot([r], tmp_path / "b.png")
+    assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"
