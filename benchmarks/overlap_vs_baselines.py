@@ -39,21 +39,9 @@ def comm_only_ms(tokens: int, hidden: int, layers: int, iters: int = 20) -> dict
     full = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
     shard = torch.empty(tokens // tp, hidden, device="cuda", dtype=torch.bfloat16)
 
-    def timed(fn) -> float:
-        for _ in range(3):
-            fn()
-        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-        for s, e in ev:
-            s.record()
-            fn()
-            e.record()
-        torch.cuda.synchronize()
-        t = torch.tensor([statistics.median(s.elapsed_time(e) for s, e in ev)], device="cuda")
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return t.item()
-
-    ag = timed(lambda: dist.all_gather_into_tensor(full, shard))
-    rs = timed(lambda: dist.reduce_scatter_tensor(shard, full))
+    from megatron_tp_overlap.measure import median_cuda_ms
+    ag = median_cuda_ms(lambda: dist.all_gather_into_tensor(full, shard), iters)
+    rs = median_cuda_ms(lambda: dist.reduce_scatter_tensor(shard, full), iters)
     return {"all_gather_ms": ag, "reduce_scatter_ms": rs, "total_ms": layers * (AG_PER_LAYER * ag + RS_PER_LAYER * rs)}
 
 
@@ -63,6 +51,7 @@ def run_case(name: str, layers: int, steps: int, rounds: int, budget_s: float, e
     from transformer_engine.pytorch.module import base as te_base
 
     from megatron_tp_overlap.layer_bench import build_stack
+    from megatron_tp_overlap.measure import median_cuda_ms
     from megatron_tp_overlap.models import load_model_dims
     from megatron_tp_overlap.presets import closest_preset, get_preset
     from megatron_tp_overlap.search import SearchOptions
@@ -104,17 +93,7 @@ def run_case(name: str, layers: int, steps: int, rounds: int, budget_s: float, e
     for _ in range(rounds):
         for k, c in contenders.items():
             sw.apply(c)
-            for _ in range(3):
-                stack.step()
-            ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
-            for s, e in ev:
-                s.record()
-                stack.step()
-                e.record()
-            torch.cuda.synchronize()
-            t = torch.tensor([statistics.median(s.elapsed_time(e) for s, e in ev)], device="cuda")
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            times[k].append(t.item())
+            times[k].append(median_cuda_ms(stack.step, steps))
     med = {k: statistics.median(v) for k, v in times.items()}
     t_no, t_comm = med["no overlap"], out["comm_only"]["total_ms"]
     out["step_ms"] = {k: {"median": round(v, 4), "spread": round(max(times[k]) - min(times[k]), 4),

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
@@ -163,16 +162,9 @@ def plot_sweep(results: dict[int, list[Row]], path: Path, title: str) -> Path:
 # ---------------------------------------------------------------------------------------------
 
 def _time(fn: Callable[[], Any], iters: int, warmup: int) -> float:
-    import torch
-    for _ in range(warmup):
-        fn()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-    for s, e in ev:
-        s.record()
-        fn()
-        e.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in ev)
+    """This rank's median (the spread across ranks is part of the report)."""
+    from .measure import median_cuda_ms
+    return median_cuda_ms(fn, iters, warmup, reduce=False)
 
 
 def _across_ranks(ms: float) -> tuple[float, float]:
@@ -249,7 +241,7 @@ def run_shape(a: argparse.Namespace, M: int) -> list[Row]:
                 rows.append(_asynctp_row(a, A, W, row))
             elif b == "flux":
                 try:
-                    import flux  # noqa: F401
+                    import flux  # noqa: F401 - presence check
                 except ImportError as e:
                     rows.append(Row(b, "", None, None, None, None, f"unavailable: flux does not import ({e})"))
                     continue
@@ -318,7 +310,7 @@ def _te_rows(a: argparse.Namespace, backend: str, M: int, A: Any, W: Any, row: C
                 general_gemm(W, A, out_dtype=A.dtype, ub=ub, ub_type=tex.CommOverlapType.RS, extra_output=rs_out)
                 return rs_out
         rows.append(row(backend, f"{cfg['method']} {label}".strip(), fn))
-        del fn, ub
+        fn = ub = None  # no reference to this config's communicator may survive the switch
     gc.collect()
     torch.cuda.synchronize()
     dist.barrier()

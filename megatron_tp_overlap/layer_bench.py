@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -31,24 +30,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile", action="store_true", help="also write a torch-profiler trace of the tuned config")
     p.add_argument("--out", required=True)
     return p.parse_args(argv)
-
-
-def time_steps(step: Any, n: int) -> float:
-    """Median ms of ``n`` steps (CUDA events), max over ranks."""
-    import torch
-    import torch.distributed as dist
-    for _ in range(3):
-        step()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
-    for s, e in ev:
-        s.record()
-        step()
-        e.record()
-    torch.cuda.synchronize()
-    t = torch.tensor([statistics.median(s.elapsed_time(e) for s, e in ev)], device="cuda")
-    if dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
 
 
 @dataclass
@@ -114,6 +95,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch.distributed as dist
     from transformer_engine.pytorch.module import base as te_base
 
+    from .measure import median_cuda_ms
     from .models import load_model_dims
     from .search import SearchOptions
     from .space import SpaceSpec, TuningConfig, all_off
@@ -134,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     result: dict[str, Any] = {"tp": tp, "model": a.model, "dims": d.__dict__, "layers": a.layers, "tokens": a.tokens,
                               "gpu": torch.cuda.get_device_name()}
     if not overlap:
-        result["step_ms"] = {"no overlap": time_steps(step, a.timing_steps)}
+        result["step_ms"] = {"no overlap": median_cuda_ms(step, a.timing_steps)}
     else:
         keep = {f"{op}_{ph}" for op in a.operators for ph in ("fprop", "dgrad", "wgrad")}
         tuner = Autotuner(model, step, init, options=SearchOptions(max_seconds=a.budget_s), space_spec=SpaceSpec(),
@@ -148,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
         times = {}
         for name, c in cases.items():
             sw.apply(c)
-            times[name] = time_steps(step, a.timing_steps)
+            times[name] = median_cuda_ms(step, a.timing_steps)
         result["step_ms"] = times
         result["chosen"] = res.best.to_dict()
         result["per_gemm_choices"] = res.search.choices

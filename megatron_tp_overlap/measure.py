@@ -9,6 +9,7 @@ the step: events are read after the step.
 """
 from __future__ import annotations
 
+import statistics
 import time
 from collections import defaultdict
 from typing import Any, Callable, Sequence
@@ -173,3 +174,21 @@ def agree_max(values: Sequence[float], group: Any = None, device: torch.device |
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         t = torch.where(torch.isinf(t), torch.full_like(t, float("nan")), t)
     return t.tolist()
+
+
+def median_cuda_ms(fn: Callable[[], Any], iters: int, warmup: int = 3, group: Any = None, reduce: bool = True) -> float:
+    """Median ms of ``iters`` calls of ``fn`` (CUDA events, after ``warmup`` calls); the max over
+    the ranks of ``group`` unless ``reduce=False`` (then this rank's).
+
+    For benchmarks, not for trials (those time per slot with :class:`SlotTimer`).
+    """
+    for _ in range(warmup):
+        fn()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    for s, e in ev:
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    med = statistics.median(s.elapsed_time(e) for s, e in ev)
+    return agree_max([med], group, "cuda")[0] if reduce else med

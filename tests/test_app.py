@@ -1,5 +1,4 @@
 """The Hydra app's config: composition of every group, overrides, validation, run-dir agreement."""
-import json
 import os
 import sys
 

@@ -1,11 +1,9 @@
-import json
 import multiprocessing as mp
 
 import pytest
 
 from megatron_tp_overlap.cache import CacheKey, TunedConfigCache
 from megatron_tp_overlap.presets import PRESETS
-from megatron_tp_overlap.ub_config import load_yaml
 
 KEY = CacheKey("NVIDIA H200", 4, 8192, 4096, 14336, 32, "bf16", "2.20.2")
 

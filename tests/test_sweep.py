@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from megatron_tp_overlap.models import ModelDims, load_model_dims
+from megatron_tp_overlap.models import ModelDims
 from megatron_tp_overlap.sweep import plan_tp_sizes, write_outputs
 from megatron_tp_overlap.ub_config import load_yaml
 

@@ -24,7 +24,7 @@ import os
 import random
 import time
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
@@ -410,7 +410,7 @@ class TPOverlapAutotuneCallback:
         if state_check is not None:
             bad = state_check.mismatches()
             res.report["state_check"] = "bitwise identical" if not bad else bad
-            self.log(f"[tp-overlap-autotune] training state after tuning: "
+            self.log("[tp-overlap-autotune] training state after tuning: "
                      + ("bitwise identical (parameters, gradients, optimizer state, RNG)" if not bad else f"CHANGED: {bad[:8]}"))
 
         meta = {**key, "wall_s": round(time.perf_counter() - t0, 2), "chosen": res.best.label}
