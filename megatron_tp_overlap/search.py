@@ -324,6 +324,20 @@ class Searcher:
         combined = TuningConfig(combined.ub, combined.disabled, "autotuned")
         return self._confirm(combined, contenders, choices)
 
+    def _combinations(self, reference: TuningConfig, option_lists: list[list[Option | None]]) -> list[tuple[TuningConfig, tuple[Option, ...]]]:
+        """Every distinct valid config from one choice per list (None: keep the reference's setting)."""
+        seen: set[TuningConfig] = set()
+        out = []
+        for combo in itertools.product(*option_lists):
+            c = reference
+            for x in combo:
+                if x is not None:
+                    c = apply(c, x, self.topo)
+            if c not in seen and is_valid(c, self.ctx):
+                seen.add(c)
+                out.append((c, tuple(x for x in combo if x is not None)))
+        return out
+
     # -- exhaustive within each slot ------------------------------------------------------------
     def slot_exhaustive(self, reference: TuningConfig, baselines: dict[str, TuningConfig]) -> SearchResult:
         """Every valid combination of the options of the GEMMs of each slot, slots measured side by
@@ -334,16 +348,7 @@ class Searcher:
         combos: dict[str, list[tuple[Option, ...]]] = {}
         for slot, gemms in self.topo.slots().items():
             opts = [[None] + [x for x in self.space.get(g, []) if len(self._slots_of(x)) == 1] for g in gemms]
-            seen, found = {reference}, []
-            for combo in itertools.product(*opts):
-                c = reference
-                for x in combo:
-                    if x is not None:
-                        c = apply(c, x, self.topo)
-                if c not in seen and is_valid(c, self.ctx):
-                    seen.add(c)
-                    found.append(tuple(x for x in combo if x is not None))
-            combos[slot] = found
+            combos[slot] = [opts for c, opts in self._combinations(reference, opts) if c != reference]
         total = sum(len(v) for v in combos.values())
         if total > o.max_exhaustive * 8:
             raise ValueError(f"slot-exhaustive search over {total} combinations exceeds max_exhaustive x 8; narrow the space")
@@ -394,20 +399,11 @@ class Searcher:
         o = self.opt
         gemms = list(self.space)
         per_gemm = [[None] + list(self.space[g]) for g in gemms]  # None: keep the reference's setting
-        configs: list[TuningConfig] = []
-        seen: set[TuningConfig] = set()
         total = math.prod(len(x) for x in per_gemm)
         if total > o.max_exhaustive * 8:
             raise ValueError(f"exhaustive search over {total} combinations exceeds max_exhaustive={o.max_exhaustive}; "
                              "narrow the space (fewer GEMMs or grid values)")
-        for combo in itertools.product(*per_gemm):
-            c = reference
-            for opt in combo:
-                if opt is not None:
-                    c = apply(c, opt, self.topo)
-            if c not in seen and is_valid(c, self.ctx):
-                seen.add(c)
-                configs.append(c)
+        configs = [c for c, _ in self._combinations(reference, per_gemm)]
         if len(configs) > o.max_exhaustive:
             raise ValueError(f"exhaustive search over {len(configs)} valid configs exceeds max_exhaustive={o.max_exhaustive}")
         self.planned_trials = len(configs)
