@@ -51,7 +51,10 @@ def main() -> None:
     p.add_argument("--runs", default="autotune,tuned_yaml,te_default,no_overlap")
     p.add_argument("--tag", default="")
     p.add_argument("--deterministic", action="store_true",
-                   help="Megatron's --deterministic-mode (for bitwise loss comparisons) and the bitwise state check")
+                   help="deterministic kernels as Megatron's --deterministic-mode sets them up (MEGATRON_TP_OVERLAP_DETERMINISTIC=1), for bitwise loss comparisons")
+    p.add_argument("--master-port", type=int, default=29500, help="torchrun's; differ for jobs sharing a host")
+    p.add_argument("--fp8", action="store_true", help="FP8 GEMMs (--fp8-format hybrid)")
+    p.add_argument("--extra", default="", help="more Megatron flags for every run, e.g. '--tp-comm-overlap-autotune-trial-timeout 10'")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     a = p.parse_args()
     out = Path(a.out)
@@ -71,12 +74,13 @@ def main() -> None:
         loss_log = out / f"losses_{tag}_{run}"
         for f in out.glob(loss_log.name + ".rank*"):
             f.unlink()
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={a.gpus}", "-m", "megatron_tp_overlap.run",
-               a.script, *model_args(a), *extra[kind]]
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={a.gpus}", f"--master-port={a.master_port}", "-m", "megatron_tp_overlap.run",
+               a.script, *model_args(a), *extra[kind], *a.extra.split()]
+        if a.fp8:
+            cmd += ["--fp8-format", "hybrid"]
         env = {**os.environ, "MEGATRON_TP_OVERLAP_LOSS_LOG": str(loss_log), "MEGATRON_TP_OVERLAP_CHECK_STATE": "1"}
-        if a.deterministic:
-            cmd.append("--deterministic-mode")
-            env["NVTE_ALLOW_NONDETERMINISTIC_ALGO"] = "0"
+        if a.deterministic:  # Megatron's --deterministic-mode refuses --tp-comm-overlap: the same settings by env
+            env["MEGATRON_TP_OVERLAP_DETERMINISTIC"] = "1"
         t0 = time.time()
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         wall = time.time() - t0

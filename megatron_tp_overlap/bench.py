@@ -342,7 +342,8 @@ def main(argv: list[str] | None = None) -> int:
         if problems:
             print("bench: " + "; ".join(dict.fromkeys(problems)), file=sys.stderr)
             return 2
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={n}", "-m", "megatron_tp_overlap.bench",
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", "-m",
+               "megatron_tp_overlap.bench",
                *(argv if argv is not None else sys.argv[1:])]
         return subprocess.run(cmd).returncode
     import torch

@@ -97,6 +97,15 @@ def _plot(times: dict[int, float], verdicts: Any, path: Path) -> None:
     plt.close(fig)
 
 
+def visible_devices(env: dict) -> list[str]:
+    """The GPUs this process may use, as CUDA_VISIBLE_DEVICES names them (all local ones if unset)."""
+    given = env.get("CUDA_VISIBLE_DEVICES")
+    if given is not None:
+        return [d.strip() for d in given.split(",") if d.strip()]
+    import torch
+    return [str(i) for i in range(torch.cuda.device_count())]
+
+
 def run_sweep(model: str, max_tp: int, tokens: int, operators: list[str], layers: int, out: Path, tol: float,
               profile: bool, budget_s: float) -> dict[str, Any]:
     import torch
@@ -108,10 +117,11 @@ def run_sweep(model: str, max_tp: int, tokens: int, operators: list[str], layers
     out.mkdir(parents=True, exist_ok=True)
     results, overlap = {}, {}
     for tp in sizes:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={tp}", "-m", "megatron_tp_overlap.layer_bench",
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}", "-m",
+               "megatron_tp_overlap.layer_bench",
                "--model", model, "--layers", str(layers), "--tokens", str(tokens), "--operators", *operators,
                "--budget-s", str(budget_s), "--out", str(out)] + (["--profile"] if profile and tp > 1 else [])
-        env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(map(str, range(tp)))}
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(visible_devices(os.environ)[:tp])}
         print(f"[sweep] TP={tp}: {' '.join(cmd)}", flush=True)
         subprocess.run(cmd, env=env, check=True)
         results[tp] = json.loads((out / f"tp{tp}.json").read_text())

@@ -42,6 +42,7 @@ def test_good_combination_has_no_problems(tmp_path):
     (dict(transformer_impl="local"), "Transformer Engine"),
     (dict(tp_comm_overlap_autotune_steps=0), "-steps = 0"),
     (dict(tp_comm_overlap_autotune_seconds=-1.0), "-seconds = -1.0"),
+    (dict(tp_comm_overlap_autotune_trial_timeout=0.0), "-trial-timeout = 0.0"),
 ])
 def test_bad_combinations_are_named(kw, needle, tmp_path):
     probs = check_arguments(ns(tp_comm_overlap_autotune_output=str(tmp_path / "x.yaml"), **kw))
@@ -187,3 +188,35 @@ def test_state_check_sees_every_kind_of_change():
     bad = check.mismatches()
     assert {"param 0.weight", "grad 0.bias", "CPU RNG state", "TP RNG tracker 'model-parallel-rng'"} <= set(bad)
     assert any(b.startswith("optimizer state") for b in bad)
+
+
+def test_state_check_sees_fp8_metadata_and_data_position():
+    from types import SimpleNamespace
+    from megatron_tp_overlap.integrations.megatron import StateCheck
+    lin = torch.nn.Linear(2, 2)
+    lin.fp8_meta = {"scaling_fwd": SimpleNamespace(amax_history=torch.zeros(4, 3), scale=torch.ones(3))}
+    model = [torch.nn.Sequential(lin)]
+    r = ReplayIterator(iter([{"tokens": torch.arange(4)}, {"tokens": torch.arange(4) + 4}, {"tokens": torch.arange(4) + 8}]))
+    r.read_ahead(2)
+    check = StateCheck(model, torch.optim.SGD(lin.parameters(), lr=0.1), tracker=FakeTracker(), replays=[r, None])
+    assert check.mismatches() == []
+    assert check.kinds_checked()["fp8"] == 2 and check.kinds_checked()["read-ahead batches"] == 2
+    r.read_ahead(2)[0]["tokens"] = torch.zeros(4)  # a shallow copy: replacing an entry leaves the buffer alone
+    assert check.mismatches() == []
+    lin.fp8_meta["scaling_fwd"].amax_history[0, 0] = 1.0
+    next(r)  # the main loop would miss a batch
+    assert check.mismatches() == ["data iterator position (read-ahead batches)", "fp8 0.0.scaling_fwd.amax_history"]
+
+
+def test_deterministic_with_overlap_sets_megatrons_determinism(monkeypatch):
+    from megatron_tp_overlap.integrations.megatron import deterministic_with_overlap
+    for k in ("NCCL_ALGO", "NVTE_ALLOW_NONDETERMINISTIC_ALGO", "CUBLAS_WORKSPACE_CONFIG"):
+        monkeypatch.delenv(k, raising=False)
+    was = torch.are_deterministic_algorithms_enabled()
+    try:
+        deterministic_with_overlap()
+        assert torch.are_deterministic_algorithms_enabled()
+        import os
+        assert os.environ["NVTE_ALLOW_NONDETERMINISTIC_ALGO"] == "0" and os.environ["NCCL_ALGO"] == "Ring"
+    finally:
+        torch.use_deterministic_algorithms(was)

@@ -47,3 +47,9 @@ def test_sweep_cli_errors_before_gpu_work(capsys):
     from megatron_tp_overlap.cli import main
     assert main(["sweep", "--model", "acme/Nope-1B", "--out", "/tmp/x"]) == 1
     assert "not shipped" in capsys.readouterr().err
+
+
+def test_sweep_keeps_to_the_gpus_it_was_given():
+    from megatron_tp_overlap.sweep import visible_devices
+    assert visible_devices({"CUDA_VISIBLE_DEVICES": "2, 3"}) == ["2", "3"]
+    assert visible_devices({"CUDA_VISIBLE_DEVICES": ""}) == []

@@ -55,6 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="Also consider switching a GEMM's overlap off (a module flag the YAML cannot express).")
     g.add_argument(f"{FLAG}-rtol", type=float, default=2e-2,
                    help="Numerics guard: max relative error of loss/gradient fingerprints vs no overlap.")
+    g.add_argument(f"{FLAG}-trial-timeout", type=float, default=120.0,
+                   help="Seconds: a candidate whose trial (warmup + timed steps) takes longer is rejected.")
     return parser
 
 
@@ -76,6 +78,8 @@ def check_arguments(args: argparse.Namespace, te_available: bool = True) -> list
         p.append(f"{FLAG}-steps = {args.tp_comm_overlap_autotune_steps}: must be >= 1")
     if getattr(args, "tp_comm_overlap_autotune_seconds", 1.0) <= 0:
         p.append(f"{FLAG}-seconds = {args.tp_comm_overlap_autotune_seconds}: must be > 0")
+    if getattr(args, "tp_comm_overlap_autotune_trial_timeout", 1.0) <= 0:
+        p.append(f"{FLAG}-trial-timeout = {args.tp_comm_overlap_autotune_trial_timeout}: must be > 0")
     cfg = getattr(args, "tp_comm_overlap_cfg", None)
     if cfg:
         from ..validation import ValidationContext, load_and_validate
@@ -231,17 +235,47 @@ def _optimizer_tensors(optimizer: Any) -> list[Any]:
 
 class StateCheck:
     """Bitwise check that tuning left the training state as it found it (MEGATRON_TP_OVERLAP_CHECK_STATE=1):
-    parameters, gradient buffers, optimizer state tensors, RNG states (CPU, CUDA, TP tracker)."""
+    parameters, gradient buffers, optimizer state tensors, TE FP8 metadata (amax history, scales),
+    RNG states (CPU, CUDA, TP tracker) and the data iterators' position (the read-ahead batches the
+    main loop gets first: same count, same tensors)."""
 
-    def __init__(self, model: Sequence[Any], optimizer: Any, tracker: Any = None):
+    def __init__(self, model: Sequence[Any], optimizer: Any, tracker: Any = None,
+                 replays: Sequence[ReplayIterator | None] = ()):
         import torch
-        self.model, self.optimizer = model, optimizer
+        self.model, self.optimizer, self.replays = model, optimizer, list(replays)
         self.tracker = tracker if tracker is not None else StateSnapshot._megatron_tracker()
         self.before = self._tensors()
         self.rng = (torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
                     StateSnapshot._clone(self.tracker.get_states()) if self.tracker is not None else {})
+        self.data = self._data()
+
+    def _data(self) -> list[list[Any]]:
+        """Per iterator: the buffered batches, tensors cloned (what the main loop will read first)."""
+        import torch
+
+        def clone(x: Any) -> Any:
+            if isinstance(x, torch.Tensor):
+                return x.detach().clone()
+            if isinstance(x, dict):
+                return {k: clone(v) for k, v in x.items()}
+            if isinstance(x, (list, tuple)):
+                return type(x)(clone(v) for v in x)
+            return x
+        return [[clone(b) for b in r._buf] if r is not None else [] for r in self.replays]
+
+    @staticmethod
+    def _same(a: Any, b: Any) -> bool:
+        import torch
+        if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+            return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
+        if isinstance(a, dict) and isinstance(b, dict):
+            return a.keys() == b.keys() and all(StateCheck._same(a[k], b[k]) for k in a)
+        if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+            return len(a) == len(b) and all(StateCheck._same(x, y) for x, y in zip(a, b))
+        return a == b
 
     def _tensors(self) -> dict[str, Any]:
+        import torch
         out = {}
         for i, chunk in enumerate(self.model):
             for n, p in chunk.named_parameters():
@@ -250,9 +284,27 @@ class StateCheck:
                 g = g if g is not None else p.grad
                 if g is not None:
                     out[f"grad {i}.{n}"] = g.detach().clone()
+            for n, mod in chunk.named_modules():
+                meta = getattr(mod, "fp8_meta", None)
+                if not isinstance(meta, dict):
+                    continue
+                for k in ("scaling_fwd", "scaling_bwd"):
+                    for a in ("amax_history", "scale"):
+                        t = getattr(meta.get(k), a, None)
+                        if isinstance(t, torch.Tensor):
+                            out[f"fp8 {i}.{n}.{k}.{a}"] = t.detach().clone()
         for j, t in enumerate(_optimizer_tensors(self.optimizer)):
             out[f"optimizer state {j}"] = t.detach().clone()
         return out
+
+    def kinds_checked(self) -> dict[str, int]:
+        """How many tensors of each kind the check covers (for the report)."""
+        counts: dict[str, int] = {}
+        for k in self.before:
+            kind = k.split(" ")[0] if not k.startswith("optimizer") else "optimizer state"
+            counts[kind] = counts.get(kind, 0) + 1
+        counts["read-ahead batches"] = sum(len(d) for d in self.data)
+        return counts
 
     def mismatches(self) -> list[str]:
         import torch
@@ -267,6 +319,8 @@ class StateCheck:
         if self.tracker is not None:
             now = self.tracker.get_states()
             bad += [f"TP RNG tracker '{k}'" for k in tr if k not in now or not torch.equal(tr[k], now[k])]
+        if not self._same(self.data, self._data()):
+            bad.append("data iterator position (read-ahead batches)")
         return sorted(bad)
 
 
@@ -389,12 +443,14 @@ class TPOverlapAutotuneCallback:
         progress = TuningProgress(enabled=torch.distributed.get_rank() == 0)
         tuner = Autotuner(model, step, init, reference=reference, options=opts, space_spec=SpaceSpec(include_off=allow_off),
                           verify_fn=fingerprint, verify_rtol=args.tp_comm_overlap_autotune_rtol, allow_overlap_off=allow_off,
-                          log=self.log, progress=progress.update)
+                          log=self.log, progress=progress.update,
+                          trial_timeout_s=args.tp_comm_overlap_autotune_trial_timeout)
         # Megatron's own NaN/spike checks are fatal; during trials our numerics guard rejects such a
         # candidate instead of ending the job.
         checks = {k: getattr(args, k, False) for k in ("check_for_nan_in_loss_and_grad", "check_for_spiky_loss")}
         zero()
-        state_check = StateCheck(model, optimizer) if os.environ.get("MEGATRON_TP_OVERLAP_CHECK_STATE") == "1" else None
+        state_check = (StateCheck(model, optimizer, replays=[r for _, r in pairs])
+                       if os.environ.get("MEGATRON_TP_OVERLAP_CHECK_STATE") == "1" else None)
         try:
             for k in checks:
                 setattr(args, k, False)
@@ -409,9 +465,17 @@ class TPOverlapAutotuneCallback:
         self.log(res.summary)
         if state_check is not None:
             bad = state_check.mismatches()
-            res.report["state_check"] = "bitwise identical" if not bad else bad
+            covered = state_check.kinds_checked()
+            if bad:
+                print(f"[tp-overlap-autotune] rank {torch.distributed.get_rank()}: training state CHANGED by tuning: {bad}", flush=True)
+            n_bad = torch.tensor([float(len(bad))], device="cuda")
+            torch.distributed.all_reduce(n_bad, op=torch.distributed.ReduceOp.MAX)  # the verdict covers every rank
+            bad = bad or (["(on another rank)"] if n_bad.item() else [])
+            res.report["state_check"] = {"result": "bitwise identical on every rank" if not bad else "CHANGED",
+                                         "changed_rank0": bad, "checked_rank0": covered}
             self.log("[tp-overlap-autotune] training state after tuning: "
-                     + ("bitwise identical (parameters, gradients, optimizer state, RNG)" if not bad else f"CHANGED: {bad[:8]}"))
+                     + (f"bitwise identical ({', '.join(f'{v} {k}' for k, v in covered.items())}, RNG CPU/CUDA/TP tracker)"
+                        if not bad else f"CHANGED: {bad[:8]}"))
 
         meta = {**key, "wall_s": round(time.perf_counter() - t0, 2), "chosen": res.best.label}
         flags = ["--tp-comm-overlap", f"--tp-comm-overlap-cfg {out}"]
@@ -469,6 +533,25 @@ def _helpers_importable() -> bool:
         return False
 
 
+DETERMINISTIC_ENV = "MEGATRON_TP_OVERLAP_DETERMINISTIC"
+
+
+def deterministic_with_overlap() -> None:
+    """What Megatron's ``--deterministic-mode`` sets up, for runs with ``--tp-comm-overlap`` (which that
+    flag refuses): the NCCL/cuBLAS/TE environment for deterministic kernels and
+    ``torch.use_deterministic_algorithms`` (warn-only). Must run before the first NCCL/cuBLAS/TE call.
+    Enabled by MEGATRON_TP_OVERLAP_DETERMINISTIC=1 (bitwise run-to-run comparisons)."""
+    import torch
+    try:
+        from megatron.training.determinism import apply_determinism_env
+        apply_determinism_env(os.environ)
+    except ImportError:  # older Megatron: the same defaults
+        for k, v in {"NCCL_ALGO": "Ring", "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0",
+                     "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}.items():
+            os.environ.setdefault(k, v)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+
+
 def install() -> None:
     """Patch Megatron (idempotent). Call before ``parse_and_validate_args`` / ``pretrain``."""
     global _installed
@@ -477,6 +560,9 @@ def install() -> None:
     import megatron.core.datasets.utils as ds_utils
     import megatron.training.arguments as margs
     import megatron.training.training as mtraining
+
+    if os.environ.get(DETERMINISTIC_ENV) == "1":
+        deterministic_with_overlap()
 
     original_parse = margs.parse_args
 
