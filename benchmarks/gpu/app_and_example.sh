@@ -39,10 +39,10 @@ timeout 150 torchrun --nproc-per-node=4 -m megatron_tp_overlap.train model=llama
     tp_overlap.cache_dir="$CACHE" > "$R/train_tp4_llama3_8b.log" 2>&1
 echo "rc=$? wall_s=$(( $(date +%s) - s ))" >> "$R/train_tp4_llama3_8b.log"
 el "phase 3: example at TP=4 and with 2 replicas"
-LEFT=$(( 570 - ($(date +%s) - T0) ))
+LEFT=$(( 520 - ($(date +%s) - T0) ))
 timeout $(( LEFT > 10 ? LEFT / 2 : 5 )) torchrun --nproc-per-node=4 examples/ln_mlp_with_overlap.py --num-replicas 2 \
     --check-numerics > "$R/example_replicas2.log" 2>&1; echo "rc=$?" >> "$R/example_replicas2.log"
-LEFT=$(( 575 - ($(date +%s) - T0) ))
+LEFT=$(( 530 - ($(date +%s) - T0) ))
 timeout $(( LEFT > 10 ? LEFT : 5 )) torchrun --nproc-per-node=4 examples/ln_mlp_with_overlap.py --check-numerics \
     --autotune --autotune-seconds 20 --benchmark > "$R/example_tp4_bf16.log" 2>&1; echo "rc=$?" >> "$R/example_tp4_bf16.log"
 el "done"

@@ -30,7 +30,7 @@ el "phase 1: TP=2 Megatron runs (GPUs 0,1) | faults, FP8 state check, example (G
       > "$R/example_tp2_fp8.log" 2>&1; echo "rc=$?" >> "$R/example_tp2_fp8.log" ) &
 wait
 el "phase 2: TP=4 Megatron runs (all GPUs)"
-LEFT=$(( 575 - ($(date +%s) - T0) ))
+LEFT=$(( 530 - ($(date +%s) - T0) ))
 timeout $LEFT python3 benchmarks/megatron_autotune.py --script $S --gpus 4 --tp 4 --iters 20 --budget-s 40 \
     --deterministic --runs autotune,tuned_yaml,te_default,no_overlap --out "$R/megatron_tp4" > "$R/megatron_tp4.log" 2>&1
 echo "rc=$?" >> "$R/megatron_tp4.log"
