@@ -199,7 +199,16 @@ def main(argv: list[str] | None = None) -> int:
     status = 0
     if args.check_numerics and overlap:
         ref = te.LayerNormMLP(hidden, ffn, **kw)  # no userbuffers flags: NCCL all-gather / reduce-scatter
-        ref.load_state_dict(layer.state_dict())
+        with torch.no_grad():  # weights only: TE refuses to unpickle FP8 extra state, and ref starts its own
+            for (name, p), (ref_name, q) in zip(layer.named_parameters(), ref.named_parameters()):
+                assert name == ref_name, (name, ref_name)
+                q.copy_(p)
+        if args.fp8:  # same FP8 scaling state in both (made by a first step of ref, then copied over)
+            fwd_bwd(ref, x_fixed.detach().clone().requires_grad_(True), dy_fixed)
+            ref.zero_grad(set_to_none=True)
+            for k in ("scaling_fwd", "scaling_bwd"):
+                for a in ("amax_history", "scale"):
+                    getattr(ref.fp8_meta[k], a).copy_(getattr(layer.fp8_meta[k], a))
         layer.zero_grad(set_to_none=True)
         xs = [x_fixed.detach().clone().requires_grad_(True) for _ in range(2)]
         y_ub, y_ref = fwd_bwd(layer, xs[0], dy_fixed), fwd_bwd(ref, xs[1], dy_fixed)

@@ -98,6 +98,9 @@ class SpaceSpec:
     bulk_num_sm: tuple[int, ...] = (2, 4, 8, 16, 24, 32)
     include_off: bool = True  # "no overlap for this GEMM"
     include_rs_dgrad: bool = True  # qkv/fc1 dgrad as GEMM -> reduce-scatter instead of bulk
+    # False where the modules' construction flags fix bulk vs reduce-scatter dgrad and the result
+    # must be a YAML alone (Megatron: --tp-comm-overlap-rs-dgrad decides it for every layer).
+    include_bulk_dgrad: bool = True
 
 
 def _grid(gemm: str, spec: SpaceSpec) -> list[GemmOverlapConfig]:
@@ -141,6 +144,10 @@ def build_space(topo: Topology, ctx: ValidationContext, priors: Iterable[UbConfi
             probe = apply(TuningConfig(), opt, topo)
             if not is_valid(probe, ctx):
                 continue
+            if opt.enabled and gemm in BULK_DGRAD_GEMMS:
+                rs = probe.ub.dgrad_is_reduce_scatter(gemm)
+                if (rs and not spec.include_rs_dgrad) or (not rs and not spec.include_bulk_dgrad):
+                    continue
             key = effective_key(opt, ctx)
             if key not in seen:
                 seen.add(key)

@@ -112,33 +112,47 @@ class Autotuner:
         step_ms = [math.nan] * steps
         timer = SlotTimer(self.modules, self.event_factory)
         t_trial = time.perf_counter()
-        try:
+
+        def attempt(fn: Callable[[], Any]) -> bool:
+            """Run ``fn``; True while every rank is fine. The ranks agree after each phase and each
+            step, so a rank that fails between steps never leaves the others waiting in the next
+            step's collectives (one host sync per step; steps are timed with events, unaffected)."""
+            nonlocal error
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001 - the other ranks must hear about it
+                error = 1.0
+                self.log(f"[tp-overlap-autotune] trial failed on this rank: {type(e).__name__}: {e}")
+            return agree_max([error], self.group, self.timing_device)[0] == 0
+
+        def switch() -> None:
             if self._fault("init", config):
                 raise InjectedFault("injected fault while switching userbuffers config")
             self.switcher.apply(config)
-            for _ in range(warmup):
-                self.step_fn()
+
+        def timed_step(i: int) -> None:
+            timer.begin_step()
+            self.step_fn()
+            timer.end_step()
+            if i == 0 and self._fault("step", config):
+                raise InjectedFault("injected fault during a trial step")
+            if i == 0 and self._fault("timeout", config):
+                time.sleep(self.trial_timeout_s)
+
+        ok = attempt(switch) and all(attempt(self.step_fn) for _ in range(warmup))
+        if ok:
             with timer:
-                for i in range(steps):
-                    timer.begin_step()
-                    self.step_fn()
-                    timer.end_step()
-                    if i == 0 and self._fault("step", config):
-                        raise InjectedFault("injected fault during a trial step")
-                    if i == 0 and self._fault("timeout", config):
-                        time.sleep(self.trial_timeout_s)
-                if self.timing_device == "cuda":
-                    torch.cuda.synchronize()
-                per_slot, step_ms = timer.collect(slots)
-            if self._fault("nan", config):
-                step_ms = [math.nan] * steps
-            if time.perf_counter() - t_trial > self.trial_timeout_s:
-                error = 2.0
-            elif not all(math.isfinite(v) for v in step_ms):
-                error = 3.0
-        except Exception as e:  # noqa: BLE001 - the other ranks must hear about it
-            error = 1.0
-            self.log(f"[tp-overlap-autotune] trial failed on this rank: {type(e).__name__}: {e}")
+                ok = all(attempt(lambda i=i: timed_step(i)) for i in range(steps))
+                if ok:
+                    if self.timing_device == "cuda":
+                        torch.cuda.synchronize()
+                    per_slot, step_ms = timer.collect(slots)
+        if ok and self._fault("nan", config):
+            step_ms = [math.nan] * steps
+        if error == 0 and time.perf_counter() - t_trial > self.trial_timeout_s:
+            error = 2.0
+        elif error == 0 and not all(math.isfinite(v) for v in step_ms):
+            error = 3.0 if ok else error
         self._trial_index += 1
         flat = [v for s in slots for v in per_slot[s]] + list(step_ms) + [time.perf_counter() - self._t0, error]
         agreed = agree_max(flat, self.group, self.timing_device)

@@ -38,11 +38,22 @@ def test_each_fault_is_survived_and_reported(fake_te, kind, reason):
 
 
 def _rank(rank, init, out):
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
+    import datetime
+    import torch
+    # A hang (a rank left waiting in a collective) becomes an error after 60 s instead of 30 min.
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
     te = fakes.FakeTE()
     fakes.STATE = te
     ub_runtime._te_base = lambda: te
     tuner, _ = make_tuner(faults=faults.parse(f"rank=1/step:{WINNER}"), options=SearchOptions(max_seconds=60, max_steps=3000))
+    local_step = tuner.step_fn
+
+    def step():  # like a TP step: the ranks meet in collectives inside every step
+        local_step()
+        dist.all_reduce(torch.ones(1))
+
+    tuner.step_fn = step
     res = tuner.tune()
     with open(os.path.join(out, f"r{rank}.json"), "w") as f:
         json.dump({"best": res.best.to_dict(), "errors": [t["error"] for t in res.report["trials"] if t["error"]]}, f)

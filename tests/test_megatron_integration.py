@@ -220,3 +220,18 @@ def test_deterministic_with_overlap_sets_megatrons_determinism(monkeypatch):
         assert os.environ["NVTE_ALLOW_NONDETERMINISTIC_ALGO"] == "0" and os.environ["NCCL_ALGO"] == "Ring"
     finally:
         torch.use_deterministic_algorithms(was)
+
+
+def test_fp8_metadata_created_during_tuning_is_reset_to_fresh():
+    from types import SimpleNamespace
+    from megatron_tp_overlap.integrations.megatron import StateCheck
+    lin = torch.nn.Linear(2, 2)
+    model = [torch.nn.Sequential(lin)]
+    snap = StateSnapshot.take(model, tracker=FakeTracker())
+    check = StateCheck(model, torch.optim.SGD(lin.parameters(), lr=0.1), tracker=FakeTracker())
+    # the first FP8 forward (a trial step) creates the metadata and records amaxes in it
+    lin.fp8_meta = {"scaling_fwd": SimpleNamespace(amax_history=torch.full((4, 3), 2.0), scale=torch.full((3,), 0.5))}
+    assert "fp8 0.0.scaling_fwd.amax_history" in check.mismatches()
+    snap.restore()
+    assert torch.all(lin.fp8_meta["scaling_fwd"].amax_history == 0) and torch.all(lin.fp8_meta["scaling_fwd"].scale == 1)
+    assert check.mismatches() == []

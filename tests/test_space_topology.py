@@ -98,3 +98,17 @@ def test_apply_rs_dgrad_drops_wgrad_entry_and_off_is_coupled():
     back = apply(off, Option("proj_dgrad", None), t)
     assert back.disabled == frozenset()
     assert all_off(t, TuningConfig()).disabled == t.active
+
+
+def test_dgrad_mode_can_be_fixed_by_the_run_flags():
+    from megatron_tp_overlap.presets import PRESETS
+    t = topo()
+    priors = [UbConfig(), *PRESETS.values()]  # some presets put qkv/fc1 dgrad on a reduce-scatter
+    mixed = build_space(t, CTX, priors)
+    rs = lambda o: o.enabled and apply(TuningConfig(), o, t).ub.dgrad_is_reduce_scatter(o.gemm)  # noqa: E731
+    assert any(rs(o) for o in mixed["qkv_dgrad"]) and any(o.enabled and not rs(o) for o in mixed["qkv_dgrad"])
+    bulk_only = build_space(t, CTX, priors, SpaceSpec(include_rs_dgrad=False))
+    rs_only = build_space(t, CTX, priors, SpaceSpec(include_bulk_dgrad=False))
+    for g in ("qkv_dgrad", "fc1_dgrad"):
+        assert bulk_only[g] and not any(rs(o) for o in bulk_only[g])
+        assert rs_only[g] and all(rs(o) for o in rs_only[g] if o.enabled)

@@ -170,6 +170,7 @@ class StateSnapshot:
     fp8_meta: list[tuple[Any, str, Any]]
 
     tracker: Any = None  # the RNG tracker object (Megatron's CudaRNGStatesTracker)
+    models: Sequence[Any] = ()
 
     @staticmethod
     def _megatron_tracker() -> Any:
@@ -202,7 +203,7 @@ class StateSnapshot:
                                                  if hasattr(meta[k], a)}))
         return StateSnapshot(random.getstate(), np.random.get_state(), torch.get_rng_state(),
                              torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None, tracker_states, fp8,
-                             tracker)
+                             tracker, list(models))
 
     def restore(self) -> None:
         import numpy as np
@@ -217,6 +218,25 @@ class StateSnapshot:
         for mod, k, saved in self.fp8_meta:
             for a, v in saved.items():
                 getattr(mod.fp8_meta[k], a).copy_(v)
+        # FP8 metadata created during tuning (TE makes it at a module's first FP8 forward, and
+        # tuning runs before the first iteration): back to what TE creates, amax history 0, scale 1.
+        saved_keys = {(id(mod), k) for mod, k, _ in self.fp8_meta}
+        for m in self.models:
+            for mod in m.modules():
+                meta = getattr(mod, "fp8_meta", None)
+                if not isinstance(meta, dict):
+                    continue
+                for k in ("scaling_fwd", "scaling_bwd"):
+                    if k in meta and (id(mod), k) not in saved_keys:
+                        reset_fp8_state(meta[k])
+
+
+def reset_fp8_state(state: Any) -> None:
+    """A TE delayed-scaling recipe state as TE creates it (``DelayedScalingRecipeState.__init__``)."""
+    if hasattr(state, "amax_history"):
+        state.amax_history.zero_()
+    if hasattr(state, "scale"):
+        state.scale.fill_(1.0)
 
 
 def _optimizer_tensors(optimizer: Any) -> list[Any]:
@@ -297,6 +317,14 @@ class StateCheck:
             out[f"optimizer state {j}"] = t.detach().clone()
         return out
 
+    @staticmethod
+    def _fresh_fp8(key: str, t: Any) -> bool:
+        """FP8 metadata that did not exist before tuning must be as TE creates it."""
+        import torch
+        if not key.startswith("fp8 "):
+            return False
+        return bool(torch.all(t == 0)) if key.endswith(".amax_history") else bool(torch.all(t == 1))
+
     def kinds_checked(self) -> dict[str, int]:
         """How many tensors of each kind the check covers (for the report)."""
         counts: dict[str, int] = {}
@@ -310,7 +338,8 @@ class StateCheck:
         import torch
         after = self._tensors()
         bad = [k for k in self.before.keys() | after.keys()
-               if k not in self.before or k not in after or not torch.equal(self.before[k], after[k])]
+               if not (k not in self.before and self._fresh_fp8(k, after[k]))
+               and (k not in self.before or k not in after or not torch.equal(self.before[k], after[k]))]
         cpu, cuda, tr = self.rng
         if not torch.equal(cpu, torch.get_rng_state()):
             bad.append("CPU RNG state")
@@ -441,7 +470,12 @@ class TPOverlapAutotuneCallback:
                              max_seconds=args.tp_comm_overlap_autotune_seconds)
         from ..progress import TuningProgress
         progress = TuningProgress(enabled=torch.distributed.get_rank() == 0)
-        tuner = Autotuner(model, step, init, reference=reference, options=opts, space_spec=SpaceSpec(include_off=allow_off),
+        # Megatron builds every qkv/fc1 layer with bulk dgrad, or with GEMM+reduce-scatter dgrad under
+        # --tp-comm-overlap-rs-dgrad; the YAML cannot change that, so the search keeps to the mode the
+        # run was started with (else the tuned YAML would not reproduce the tuned run).
+        rs_dgrad = bool(getattr(args, "tp_comm_overlap_rs_dgrad", False))
+        spec = SpaceSpec(include_off=allow_off, include_rs_dgrad=rs_dgrad, include_bulk_dgrad=not rs_dgrad)
+        tuner = Autotuner(model, step, init, reference=reference, options=opts, space_spec=spec,
                           verify_fn=fingerprint, verify_rtol=args.tp_comm_overlap_autotune_rtol, allow_overlap_off=allow_off,
                           log=self.log, progress=progress.update,
                           trial_timeout_s=args.tp_comm_overlap_autotune_trial_timeout)
