@@ -54,7 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument(f"{FLAG}-allow-off", action="store_true",
                    help="Also consider switching a GEMM's overlap off (a module flag the YAML cannot express).")
     g.add_argument(f"{FLAG}-rtol", type=float, default=2e-2,
-                   help="Numerics guard: max relative error of loss/gradient fingerprints vs no overlap.")
+                   help="Numerics guard: relative error of loss/gradient fingerprints vs no overlap that a candidate may "
+                        "always have; the bound is max(this, 3x the starting config's own error, capped at 0.5).")
     g.add_argument(f"{FLAG}-trial-timeout", type=float, default=120.0,
                    help="Seconds: a candidate whose trial (warmup + timed steps) takes longer is rejected.")
     return parser
