@@ -16,7 +16,6 @@ import argparse
 import gc
 import json
 import os
-import statistics
 import time
 from pathlib import Path
 
@@ -51,7 +50,7 @@ def run_case(name: str, layers: int, steps: int, rounds: int, budget_s: float, e
     from transformer_engine.pytorch.module import base as te_base
 
     from megatron_tp_overlap.layer_bench import build_stack
-    from megatron_tp_overlap.measure import median_cuda_ms
+    from megatron_tp_overlap.measure import compare_configs
     from megatron_tp_overlap.models import load_model_dims
     from megatron_tp_overlap.presets import closest_preset, get_preset
     from megatron_tp_overlap.search import SearchOptions
@@ -89,14 +88,10 @@ def run_case(name: str, layers: int, steps: int, rounds: int, budget_s: float, e
     last = tuner or auto_tuner  # its switcher knows which config is live
     sw = last.switcher
     contenders["no overlap"] = all_off(last.topology, TuningConfig(UbConfig()))
-    times: dict[str, list[float]] = {k: [] for k in contenders}
-    for _ in range(rounds):
-        for k, c in contenders.items():
-            sw.apply(c)
-            times[k].append(median_cuda_ms(stack.step, steps))
-    med = {k: statistics.median(v) for k, v in times.items()}
+    stats = compare_configs(contenders, sw.apply, stack.step, steps, rounds)  # interleaved; equal configs share
+    med = {k: v["median"] for k, v in stats.items()}
     t_no, t_comm = med["no overlap"], out["comm_only"]["total_ms"]
-    out["step_ms"] = {k: {"median": round(v, 4), "spread": round(max(times[k]) - min(times[k]), 4),
+    out["step_ms"] = {k: {"median": round(v, 4), "spread": round(stats[k]["spread"], 4),
                           "efficiency": round(efficiency(t_no, v, t_comm), 3)} for k, v in med.items()}
     out["comm_fraction_of_no_overlap"] = round(t_comm / t_no, 3)
     baselines = min(med[k] for k in med if k in ("no overlap", "TE default") or k.startswith("preset"))

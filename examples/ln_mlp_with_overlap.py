@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import os
 import socket
-import statistics
 import sys
 from typing import Any
 
@@ -41,7 +40,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--autotune-seconds", type=float, default=30.0)
     p.add_argument("--check-numerics", action="store_true", help="compare against a no-overlap reference")
     p.add_argument("--benchmark", action="store_true", help="time iterations: no overlap, given/TE default, autotuned")
-    p.add_argument("--benchmark-iters", type=int, default=20)
+    p.add_argument("--benchmark-iters", type=int, default=20, help="timed iterations per round")
+    p.add_argument("--benchmark-rounds", type=int, default=5, help="interleaved rounds per config")
     p.add_argument("--verbose", action="store_true", help="print from every rank")
     args = p.parse_args(argv)
     for k in ("num_iters", "batch_size", "seq_length", "num_heads", "head_dim", "mlp_expansion_factor", "num_replicas"):
@@ -223,32 +223,28 @@ def main(argv: list[str] | None = None) -> int:
             log(f"numerics {name:<22} rel. error {err.item():.2e} (tol {tol:g}): {'PASSED' if ok else 'FAILED'}")
 
     if args.benchmark and overlap:
+        from megatron_tp_overlap.measure import compare_configs
         from megatron_tp_overlap.topology import build_topology, find_overlap_modules
         from megatron_tp_overlap.ub_runtime import UbSwitcher
         mods = find_overlap_modules(layer)
         given = TuningConfig(load_yaml(args.ub_cfg) if args.ub_cfg else UbConfig(), frozenset(),
                              "given --ub-cfg" if args.ub_cfg else "TE default")
         sw = UbSwitcher(init, mods, barrier=dist.barrier, current=tuned or given)  # what is live now
-        cases = [all_off(build_topology(mods), given), given] + ([TuningConfig(tuned.ub, tuned.disabled, "autotuned")] if tuned else [])
-        rows = []
-        for c in cases:
+        cases = {"no overlap": all_off(build_topology(mods), given), given.label: given}
+        if tuned:
+            cases["autotuned"] = TuningConfig(tuned.ub, tuned.disabled, "autotuned")
+        for c in cases.values():  # warm each config up once
             sw.apply(c)
-            for _ in range(3):
-                fwd_bwd(model, x_fixed, dy_fixed)
-            ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(args.benchmark_iters)]
-            for s, e in ev:
-                s.record()
-                fwd_bwd(model, x_fixed, dy_fixed)
-                e.record()
-            torch.cuda.synchronize()
-            t = torch.tensor([statistics.median(s.elapsed_time(e) for s, e in ev)], device="cuda")
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            rows.append((c.label or "no overlap", t.item()))
+            fwd_bwd(model, x_fixed, dy_fixed)
+        stats = compare_configs(cases, sw.apply, lambda: fwd_bwd(model, x_fixed, dy_fixed), args.benchmark_iters,
+                                args.benchmark_rounds, group=tp_group)
+        rows = [(name, st["median"], st["spread"]) for name, st in stats.items()]
         if rank == 0:
             base = rows[0][1]
-            print(f"\n| config | fwd+bwd ms (median of {args.benchmark_iters}) | vs no overlap |\n|---|---|---|")
-            for name, t in rows:
-                print(f"| {name} | {t:.3f} | {base / t:.3f}x |")
+            print(f"\n| config | fwd+bwd ms (median of {args.benchmark_rounds} interleaved rounds x {args.benchmark_iters}) "
+                  "| spread ms | vs no overlap |\n|---|---|---|---|")
+            for name, t, spread in rows:
+                print(f"| {name} | {t:.3f} | {spread:.3f} | {base / t:.3f}x |")
 
     dist.barrier()
     if overlap:

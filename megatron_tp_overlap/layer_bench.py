@@ -27,6 +27,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--operators", nargs="+", default=list(OPERATORS), choices=OPERATORS)
     p.add_argument("--budget-s", type=float, default=60.0)
     p.add_argument("--timing-steps", type=int, default=20)
+    p.add_argument("--timing-rounds", type=int, default=5, help="interleaved rounds of --timing-steps per config")
     p.add_argument("--profile", action="store_true", help="also write a torch-profiler trace of the tuned config")
     p.add_argument("--out", required=True)
     return p.parse_args(argv)
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch.distributed as dist
     from transformer_engine.pytorch.module import base as te_base
 
-    from .measure import median_cuda_ms
+    from .measure import compare_configs, median_cuda_ms
     from .models import load_model_dims
     from .search import SearchOptions
     from .space import SpaceSpec, TuningConfig, all_off
@@ -126,12 +127,10 @@ def main(argv: list[str] | None = None) -> None:
             print(res.summary, flush=True)
         sw = tuner.switcher
         cases = {"no overlap": all_off(tuner.topology, TuningConfig(UbConfig())), "TE default": TuningConfig(UbConfig()),
-                 "tuned": res.best}
-        times = {}
-        for name, c in cases.items():
-            sw.apply(c)
-            times[name] = median_cuda_ms(step, a.timing_steps)
-        result["step_ms"] = times
+                 "tuned": TuningConfig(res.best.ub, res.best.disabled)}
+        stats = compare_configs(cases, sw.apply, step, a.timing_steps, a.timing_rounds)
+        result["step_ms"] = {k: v["median"] for k, v in stats.items()}
+        result["step_ms_spread"] = {k: v["spread"] for k, v in stats.items()}
         result["chosen"] = res.best.to_dict()
         result["per_gemm_choices"] = res.search.choices
         result["slot_ms"] = res.report["summary"]

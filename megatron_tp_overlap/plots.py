@@ -57,7 +57,7 @@ def plot_report(report: dict[str, Any], path: str | Path, step_ms: Sequence[floa
         ax.set_ylabel("step time (ms)")
         ax.set_title("step time across the run (after tuning)", fontsize=9)
     fig.suptitle(f"{title}: chosen {report['decision']['chosen']}", fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.985))  # room for the suptitle
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -122,3 +122,26 @@ def test_atomic_write_backs_up_and_never_leaves_half_a_file(tmp_path, monkeypatc
         atomic_write_text(p, "a: 3\n")
     assert p.read_text() == "a: 2\n"
     assert sorted(x.name for x in p.parent.iterdir()) == ["tuned.yaml", "tuned.yaml.bak"]
+
+
+def test_compare_configs_interleaves_rounds_and_never_times_a_config_against_itself():
+    from megatron_tp_overlap.measure import compare_configs
+    from megatron_tp_overlap.space import TuningConfig
+    from megatron_tp_overlap.ub_config import GemmOverlapConfig, UbConfig
+    a = TuningConfig(UbConfig(), frozenset(), "TE default")
+    b = TuningConfig(UbConfig().with_entry("fc2_fprop", GemmOverlapConfig(method="ring_exchange")), frozenset(), "x")
+    order, clock = [], iter(range(100))
+    live = {}
+
+    def apply(c):
+        live["c"] = c
+
+    def timer(step, steps, group=None):
+        order.append(live["c"])
+        return float(next(clock))  # a drifting clock: later rounds are slower
+
+    st = compare_configs({"TE default": a, "tuned": TuningConfig(UbConfig(), frozenset(), "reference"), "x": b},
+                         apply, lambda: None, steps=3, rounds=4, timer=timer)
+    assert order == [a, b] * 4  # interleaved, and the duplicate is measured once
+    assert st["tuned"] == st["TE default"] and st["TE default"]["rounds"] == 4
+    assert st["TE default"]["median"] == 3.0 and st["x"]["median"] == 4.0 and st["x"]["spread"] == 6.0
