@@ -235,3 +235,36 @@ def test_fp8_metadata_created_during_tuning_is_reset_to_fresh():
     snap.restore()
     assert torch.all(lin.fp8_meta["scaling_fwd"].amax_history == 0) and torch.all(lin.fp8_meta["scaling_fwd"].scale == 1)
     assert check.mismatches() == []
+
+
+def test_tuning_results_go_to_megatrons_tensorboard_writer(monkeypatch):
+    import types
+    from types import SimpleNamespace
+    from megatron_tp_overlap.integrations.megatron import TPOverlapAutotuneCallback
+
+    class Writer:
+        def __init__(self):
+            self.scalars, self.texts, self.flushed = {}, {}, False
+
+        def add_scalar(self, tag, v, step):
+            self.scalars[tag] = v
+
+        def add_text(self, tag, v, step):
+            self.texts[tag] = v
+
+        def flush(self):
+            self.flushed = True
+
+    writer = Writer()
+    fake = types.ModuleType("megatron.training")
+    fake.get_tensorboard_writer = lambda: writer
+    monkeypatch.setitem(sys.modules, "megatron.training", fake)
+    if "megatron" not in sys.modules:
+        monkeypatch.setitem(sys.modules, "megatron", types.ModuleType("megatron"))
+    res = SimpleNamespace(wall_s=12.5, summary="table", search=SimpleNamespace(contenders=[
+        SimpleNamespace(name="autotuned", median=10.0, samples=[10.0]), SimpleNamespace(name="skipped", median=None, samples=[])]))
+    TPOverlapAutotuneCallback._tensorboard(res)
+    assert writer.scalars == {"tp-overlap-autotune/step-ms/autotuned": 10.0, "tp-overlap-autotune/tuning-seconds": 12.5}
+    assert "table" in writer.texts["tp-overlap-autotune/summary"] and writer.flushed
+    fake.get_tensorboard_writer = lambda: None  # ranks without a writer: nothing to do
+    TPOverlapAutotuneCallback._tensorboard(res)

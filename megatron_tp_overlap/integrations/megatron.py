@@ -519,7 +519,7 @@ class TPOverlapAutotuneCallback:
             report = {**res.report, "tuning_key": key, "megatron_flags": flags}
             write_report(out.with_suffix(".report.json"), report)
             atomic_write_text(out.with_suffix(".key.json"), json.dumps(key, indent=1) + "\n")
-            self._tensorboard(res)
+        self._tensorboard(res)  # Megatron makes its writer on the last rank only: every rank asks
         for hook in self.hooks:
             hook(res, out)
         torch.distributed.barrier()
@@ -529,7 +529,7 @@ class TPOverlapAutotuneCallback:
 
     @staticmethod
     def _tensorboard(res: Any) -> None:
-        """Tuning results into Megatron's TensorBoard writer, when one is active (rank 0)."""
+        """Tuning results into Megatron's TensorBoard writer, on the rank that has one (the last)."""
         from megatron.training import get_tensorboard_writer
         writer = get_tensorboard_writer()
         if writer is None:
