@@ -150,8 +150,13 @@ def main(argv: list[str] | None = None) -> int:
     x_fixed = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
     dy_fixed = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=g)
 
+    def fp8_region() -> Any:  # TE >= 2.x: te.autocast; older: te.fp8_autocast (deprecated since)
+        if hasattr(te, "autocast"):
+            return te.autocast(enabled=args.fp8, recipe=recipe, amax_reduction_group=tp_group)
+        return te.fp8_autocast(enabled=args.fp8, fp8_recipe=recipe, fp8_group=tp_group)
+
     def fwd_bwd(module: Any, x: Any, dy: Any) -> Any:
-        with te.fp8_autocast(enabled=args.fp8, fp8_recipe=recipe, fp8_group=tp_group):
+        with fp8_region():
             y = module(x)
         y.backward(dy)
         return y.detach()
@@ -185,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         log("|-- Generate random input batch")
         x = torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         log("|-- Forward pass")
-        with te.fp8_autocast(enabled=args.fp8, fp8_recipe=recipe, fp8_group=tp_group):
+        with fp8_region():
             y = model(x)
         log("|-- Compute loss")
         loss = y.float().pow(2).mean()
