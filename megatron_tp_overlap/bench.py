@@ -25,6 +25,9 @@ from typing import Any, Callable
 BACKENDS = ("nccl", "te_ring", "te_ring_agg", "te_pipeline", "te_bulk", "asynctp", "flux")
 DTYPES = ("bfloat16", "float16", "float32")
 TE_DTYPES = ("bfloat16", "float16")
+# Relative L2 error against the fp32 reference that a correct kernel stays within (inputs rounded
+# to the dtype, fp32 accumulation; K up to ~50k).
+TOLERANCE = {"bfloat16": 2e-2, "float16": 1e-2, "float32": 1e-4}
 
 
 def _ints(s: str) -> list[int]:
@@ -111,21 +114,26 @@ class Row:
     max_abs: float | None
     note: str = ""
 
+    def correct(self, dtype: str) -> bool | None:
+        """Within :data:`TOLERANCE` of the fp32 reference (None: not run)."""
+        return None if self.rel_err is None else self.rel_err <= TOLERANCE[dtype]
+
     def to_dict(self) -> dict[str, Any]:
         return {**{k: v for k, v in asdict(self).items() if k != "metrics"},
                 "metrics": asdict(self.metrics) if self.metrics else None}
 
 
-def render(rows: list[Row], title: str) -> str:
+def render(rows: list[Row], title: str, dtype: str = "bfloat16") -> str:
     head = ["backend", "config", "total ms", "GEMM ms", "comm ms", "exposed ms", "overlap eff.", "TFLOP/s", "bound ms",
-            "rank spread ms", "rel. err", "note"]
+            "rank spread ms", "rel. err", f"correct (tol {TOLERANCE[dtype]:g})", "note"]
     body = []
     for r in rows:
         m = r.metrics
         f = lambda v, p=3: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
         body.append([r.backend, r.config, f(m and m.total_ms), f(m and m.gemm_ms), f(m and m.comm_ms), f(m and m.exposed_ms),
                      f(m and m.efficiency, 2), f(m and m.tflops, 1), f(m and m.bound_ms), f(r.rank_spread_ms),
-                     "-" if r.rel_err is None else f"{r.rel_err:.1e}", r.note])
+                     "-" if r.rel_err is None else f"{r.rel_err:.1e}",
+                     {None: "-", True: "yes", False: "**NO**"}[r.correct(dtype)], r.note])
     lines = [f"### {title}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(b) + " |" for b in body]
     return "\n".join(lines)
@@ -363,16 +371,21 @@ def main(argv: list[str] | None = None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         stem = f"{a.op}_N{a.N}_K{a.K}_{a.dtype}_tp{tp}"
         for M, rows in results.items():
-            print(render(rows, f"{a.op.upper()} M={M} N={a.N} K={a.K} {a.dtype} TP={tp} ({torch.cuda.get_device_name()})"))
+            print(render(rows, f"{a.op.upper()} M={M} N={a.N} K={a.K} {a.dtype} TP={tp} ({torch.cuda.get_device_name()})",
+                         a.dtype))
         (out / f"{stem}.json").write_text(json.dumps({"op": a.op, "N": a.N, "K": a.K, "dtype": a.dtype, "tp": tp,
                                                        "gpu": torch.cuda.get_device_name(),
                                                        "results": {str(M): [r.to_dict() for r in rows] for M, rows in results.items()}},
                                                       indent=1))
         if a.sweep_m:
             print(f"plot: {plot_sweep(results, out / f'{stem}_sweep.png', stem)}")
+    wrong = [f"{r.backend} {r.config} (M={M}, rel. err {r.rel_err:.1e})" for M, rows in results.items() for r in rows
+             if r.correct(a.dtype) is False]
+    if wrong and rank == 0:
+        print(f"bench: results beyond the {a.dtype} tolerance {TOLERANCE[a.dtype]:g}: " + "; ".join(wrong), file=sys.stderr)
     dist.barrier()
     dist.destroy_process_group()
-    return 0
+    return 1 if wrong else 0
 
 
 if __name__ == "__main__":

@@ -53,3 +53,12 @@ def test_without_gpus_the_command_says_so(capsys):
     assert "needs >= 2 GPUs" in capsys.readouterr().err
     from megatron_tp_overlap.cli import main as cli
     assert cli(["bench", "rs", "1024", "49152", "12288"]) == 2
+
+
+def test_correctness_is_judged_per_dtype():
+    good = Row("te_ring", "ring_exchange", Metrics.of(1.0, 0.9, 0.3, 1e12), 0.0, 2.4e-3, 0.01)
+    wrong = Row("te_ring", "ring_exchange", Metrics.of(1.0, 0.9, 0.3, 1e12), 0.0, 4.1e-1, 3.0)  # seen on H200, fp16 RS
+    assert good.correct("bfloat16") and good.correct("float16") and not good.correct("float32")
+    assert wrong.correct("float16") is False and Row("flux", "", None, None, None, None).correct("float16") is None
+    text = render([good, wrong], "RS", "float16")
+    assert "correct (tol 0.01)" in text and "| yes |" in text and "| **NO** |" in text
