@@ -172,6 +172,11 @@ def validate(cfg: Any, world_size: int) -> list[str]:
                  f"({tr.micro_batch_size} x {dp})")
     if tr.train_iters < 1:
         p.append(f"training.train_iters = {tr.train_iters}: must be >= 1")
+    from .atomic import unwritable
+    for key, folder in (("output.root", cfg.output.root), ("tp_overlap.cache_dir", ov.cache_dir)):
+        why = unwritable(folder) if folder else None
+        if why:
+            p.append(f"{key} = {folder!r}: cannot write there ({why})")
     return p
 
 

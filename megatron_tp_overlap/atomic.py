@@ -33,3 +33,15 @@ def atomic_write_text(path: str | Path, text: str, backup: bool = False) -> Path
         Path(tmp).unlink(missing_ok=True)
         raise
     return bak
+
+
+def unwritable(folder: str | Path) -> str | None:
+    """Why files cannot be created in ``folder`` (made if missing), or None. Checked before GPU work."""
+    probe = Path(folder).expanduser().absolute()
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        return f"{probe} is not a folder"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return f"{folder}: the nearest existing folder {probe} is not writable"
+    return None

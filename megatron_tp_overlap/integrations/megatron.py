@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
-from ..atomic import atomic_write_text
+from ..atomic import atomic_write_text, unwritable
 from ..errors import ConfigError
 
 FLAG = "--tp-comm-overlap-autotune"
@@ -88,12 +88,9 @@ def check_arguments(args: argparse.Namespace, te_available: bool = True) -> list
             load_and_validate(cfg, ValidationContext(fp8=bool(getattr(args, "fp8", None)), tp_size=max(tp, 2)))
         except ConfigError as e:
             p.append(f"--tp-comm-overlap-cfg: {e}")
-    out = output_path(args).parent
-    probe = out
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    if not os.access(probe, os.W_OK):
-        p.append(f"{FLAG}-output: cannot write in {out} (nearest existing folder {probe} is not writable)")
+    why = unwritable(output_path(args).parent)
+    if why:
+        p.append(f"{FLAG}-output: cannot write the tuned YAML there ({why})")
     return p
 
 
