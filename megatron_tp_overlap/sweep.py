@@ -18,6 +18,7 @@ from typing import Any
 from .atomic import atomic_write_text
 from .models import ModelDims
 from .scaling import scaling_report
+from .integrations.megatron import flags_for
 from .ub_config import dumps_yaml, parse_ub_cfgs
 
 
@@ -51,14 +52,23 @@ def write_outputs(results: dict[int, dict[str, Any]], out: Path, tol: float = 0.
     """All sweep outputs from per-TP results (``layer_bench``'s tp{N}.json contents)."""
     times = {tp: tp_step_ms(r) for tp, r in results.items()}
     recommended, verdicts = scaling_report(times, tol)
+    usage: dict[int, str] = {}
     for tp, r in results.items():
         cfg = parse_ub_cfgs(r.get("chosen", {}).get("ub_cfgs", {}))
+        path = out / f"optimal_tp_comm_overlap_cfg_tp{tp}.yaml"
         note = "TP=1: no tensor-parallel communication, nothing to overlap" if tp == 1 else f"tuned at TP={tp}"
-        atomic_write_text(out / f"optimal_tp_comm_overlap_cfg_tp{tp}.yaml", dumps_yaml(cfg, header=note))
+        if tp > 1:
+            flags, problem = flags_for(cfg, path.name)
+            usage[tp] = f"Megatron-LM: {' '.join(flags)}" + (f"  WARNING: {problem}" if problem else "")
+            note += f"\n{usage[tp]}"
+        atomic_write_text(path, dumps_yaml(cfg, header=note))
     best = results[recommended]
+    header = f"recommended TP size {recommended} (largest with scaling efficiency >= 1/(1+{tol:g}))"
+    if recommended in usage:
+        header += "\n" + usage[recommended].replace(f"optimal_tp_comm_overlap_cfg_tp{recommended}.yaml",
+                                                     "optimal_tp_comm_overlap_cfg.yaml")
     atomic_write_text(out / "optimal_tp_comm_overlap_cfg.yaml",
-                      dumps_yaml(parse_ub_cfgs(best.get("chosen", {}).get("ub_cfgs", {})),
-                                 header=f"recommended TP size {recommended} (largest with scaling efficiency >= 1/(1+{tol:g}))"))
+                      dumps_yaml(parse_ub_cfgs(best.get("chosen", {}).get("ub_cfgs", {})), header=header))
     report = {"recommended_tp": recommended, "tol": tol,
               "verdicts": [v.__dict__ for v in verdicts], "per_tp": {str(k): v for k, v in results.items()},
               "overlap_from_traces": {str(k): v for k, v in (overlap or {}).items()}}
@@ -71,6 +81,7 @@ def write_outputs(results: dict[int, dict[str, Any]], out: Path, tol: float = 0.
         fmt = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
         lines.append(f"| {v.tp} | {v.time_ms:.3f} | {v.ideal_ms:.3f} | {v.efficiency:.0%} | {fmt(s.get('TE default'))} | "
                      f"{fmt(s.get('no overlap'))} | {v.reason} |")
+    lines += ["", *(f"TP={tp}: {u}" for tp, u in sorted(usage.items()))]
     if overlap:
         lines += ["", "Overlap ratio (overlap / min(GEMM, comm), from traces; explanation only, not a score):"]
         lines += [f"  TP={tp}: {o}" for tp, o in sorted(overlap.items())]

@@ -53,3 +53,22 @@ def test_sweep_keeps_to_the_gpus_it_was_given():
     from megatron_tp_overlap.sweep import visible_devices
     assert visible_devices({"CUDA_VISIBLE_DEVICES": "2, 3"}) == ["2", "3"]
     assert visible_devices({"CUDA_VISIBLE_DEVICES": ""}) == []
+
+
+def test_outputs_say_which_megatron_flags_reproduce_the_config(tmp_path):
+    res = {1: result(1, 40.0), 2: result(2, 22.0, 23.0, 24.0)}
+    res[2]["chosen"]["ub_cfgs"] = {"qkv_dgrad": {"method": "ring_exchange"}, "fc1_dgrad": {"method": "bulk", "num_sm": 8}}
+    write_outputs(res, tmp_path)
+    header = (tmp_path / "optimal_tp_comm_overlap_cfg.yaml").read_text()
+    assert "--tp-comm-overlap-cfg optimal_tp_comm_overlap_cfg.yaml" in header and "WARNING" in header
+    assert "needs both modes" in (tmp_path / "summary.txt").read_text()
+
+
+def test_megatron_flags_for_a_config():
+    from megatron_tp_overlap.integrations.megatron import flags_for
+    from megatron_tp_overlap.ub_config import parse_ub_cfgs
+    assert flags_for(parse_ub_cfgs({}), "t.yaml") == (["--tp-comm-overlap", "--tp-comm-overlap-cfg", "t.yaml"], None)
+    both = parse_ub_cfgs({"qkv_dgrad": {"method": "ring_exchange"}, "fc1_dgrad": {"method": "pipeline"}})
+    assert flags_for(both, "t.yaml")[0][-1] == "--tp-comm-overlap-rs-dgrad" and flags_for(both, "t.yaml")[1] is None
+    flags, problem = flags_for(parse_ub_cfgs({"fc1_dgrad": {"method": "ring_exchange"}}), "t.yaml")
+    assert "--tp-comm-overlap-rs-dgrad" not in flags and "qkv_dgrad bulk" in problem and "fc1_dgrad reduce-scatter" in problem

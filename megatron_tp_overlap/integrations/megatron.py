@@ -26,10 +26,13 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from ..atomic import atomic_write_text, unwritable
 from ..errors import ConfigError
+
+if TYPE_CHECKING:
+    from ..ub_config import UbConfig
 
 FLAG = "--tp-comm-overlap-autotune"
 
@@ -92,6 +95,23 @@ def check_arguments(args: argparse.Namespace, te_available: bool = True) -> list
     if why:
         p.append(f"{FLAG}-output: cannot write the tuned YAML there ({why})")
     return p
+
+
+def flags_for(ub: UbConfig, yaml_path: str | Path) -> tuple[list[str], str | None]:
+    """Megatron-LM flags that reproduce ``ub`` (written at ``yaml_path``), and why they cannot (or None).
+
+    Megatron builds every qkv/fc1 layer with bulk dgrad overlap, or with GEMM + reduce-scatter dgrad under
+    ``--tp-comm-overlap-rs-dgrad``: one mode for both, which the YAML alone cannot switch.
+    """
+    flags = ["--tp-comm-overlap", "--tp-comm-overlap-cfg", str(yaml_path)]
+    rs = {g: ub.dgrad_is_reduce_scatter(g) for g in ("qkv_dgrad", "fc1_dgrad")}
+    if all(rs.values()):
+        flags.append("--tp-comm-overlap-rs-dgrad")
+    elif any(rs.values()):
+        mixed = ", ".join(f"{g} {'reduce-scatter' if v else 'bulk'}" for g, v in rs.items())
+        return flags, (f"{mixed}: Megatron-LM runs qkv and fc1 dgrad in one mode (--tp-comm-overlap-rs-dgrad or not); "
+                       "this config needs both modes")
+    return flags, None
 
 
 def output_path(args: argparse.Namespace) -> Path:
@@ -510,7 +530,7 @@ class TPOverlapAutotuneCallback:
                         if not bad else f"CHANGED: {bad[:8]}"))
 
         meta = {**key, "wall_s": round(time.perf_counter() - t0, 2), "chosen": res.best.label}
-        flags = ["--tp-comm-overlap", f"--tp-comm-overlap-cfg {out}"]
+        flags, _ = flags_for(res.best.ub, out)  # the search kept to this run's dgrad mode: always expressible
         if torch.distributed.get_rank() == 0:
             atomic_write_text(out, dumps_yaml(res.best.ub, yaml_header(res.best.ub, meta)), backup=True)
             report = {**res.report, "tuning_key": key, "megatron_flags": flags}
