@@ -19,7 +19,7 @@ from .numerics import rel_diff
 from .presets import PRESETS
 from .report import build_report, render_summary, summary_rows
 from .search import Measurement, SearchOptions, SearchResult, Searcher, Trial, TrialFailed
-from .space import SpaceSpec, TuningConfig, all_off, build_space
+from .space import SpaceSpec, TuningConfig, all_off, build_space, is_valid
 from .topology import OverlapModule, Topology, build_topology, find_overlap_modules
 from .ub_config import UbConfig
 from .ub_runtime import UbInitArgs, UbSwitcher
@@ -211,6 +211,26 @@ class Autotuner:
         tol = self.tolerance()
         return None if err <= tol else f"rel. error {err:.2e} > {tol:.2g} vs no overlap"
 
+    def _whole_config_priors(self) -> dict[str, TuningConfig]:
+        """The NeMo preset a user would copy for this shape, as a whole-config contender in the final
+        confirmation: a per-GEMM search can miss a combination that wins as a whole, and the result
+        should never be slower than a preset the tuner knew. Only when it is valid here and keeps to
+        the dgrad mode the space allows (``space_spec``); not when tuning a subset of GEMMs."""
+        if self.gemms is not None or self.priors is not None:
+            return {}
+        from .presets import closest_preset
+        gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "h100"
+        name = closest_preset(self.init_args.shape[-1], self.init_args.tp_size, self.init_args.fp8, gpu)
+        cfg = TuningConfig(PRESETS[name], frozenset(), f"preset {name}")
+        if cfg.ub == self.reference or not is_valid(cfg, self.ctx):
+            return {}
+        for g in ("qkv_dgrad", "fc1_dgrad"):
+            rs = cfg.ub.dgrad_is_reduce_scatter(g)
+            if g in self.topology.active and ((rs and not self.space_spec.include_rs_dgrad) or
+                                              (not rs and not self.space_spec.include_bulk_dgrad)):
+                return {}
+        return {cfg.label: cfg}
+
     def tune(self) -> TuneResult:
         t0 = time.perf_counter()
         self._t0 = t0
@@ -222,6 +242,7 @@ class Autotuner:
         baselines = {"no overlap": all_off(self.topology, reference)}
         if len(self.reference):
             baselines["TE default"] = TuningConfig(UbConfig(), frozenset(), "TE default")
+        baselines.update(self._whole_config_priors())
         n_opts = sum(len(v) for v in space.values())
         self.log(f"[tp-overlap-autotune] {len(self.modules)} overlap modules, slots: "
                  + ", ".join(f"{s}({len(g)})" for s, g in self.topology.slots().items())

@@ -153,3 +153,19 @@ def test_numerics_tolerance_is_capped():
     assert t.tolerance() == Autotuner.MAX_TOLERANCE
     t.numerics = {}
     assert t.tolerance() == 2e-2
+
+
+def test_the_closest_preset_is_a_whole_config_contender(fake_te):
+    from megatron_tp_overlap.space import SpaceSpec
+    tuner, _ = make_tuner()
+    pri = tuner._whole_config_priors()
+    assert len(pri) == 1
+    (name, cfg), = pri.items()
+    assert name.startswith("preset userbuffers_") and len(cfg.ub)
+    res = tuner.tune()
+    assert any(c.name == name and c.samples for c in res.search.contenders)  # measured in the confirmation
+    # a preset the run could not reproduce (dgrad mode fixed by the run's flags) is left out
+    rs_dgrad = any(cfg.ub.dgrad_is_reduce_scatter(g) for g in ("qkv_dgrad", "fc1_dgrad"))
+    spec = SpaceSpec(include_rs_dgrad=not rs_dgrad, include_bulk_dgrad=rs_dgrad)
+    assert make_tuner(space_spec=spec)[0]._whole_config_priors() == {}
+    assert make_tuner(gemms={"fc2_fprop"})[0]._whole_config_priors() == {}
