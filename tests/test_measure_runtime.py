@@ -145,3 +145,27 @@ def test_compare_configs_interleaves_rounds_and_never_times_a_config_against_its
     assert order == [a, b] * 4  # interleaved, and the duplicate is measured once
     assert st["tuned"] == st["TE default"] and st["TE default"]["rounds"] == 4
     assert st["TE default"]["median"] == 3.0 and st["x"]["median"] == 4.0 and st["x"]["spread"] == 6.0
+
+
+def _write_many(path: str, who: int) -> None:
+    from megatron_tp_overlap.atomic import atomic_write_text
+    from megatron_tp_overlap.ub_config import GemmOverlapConfig, UbConfig, dumps_yaml
+    for i in range(25):
+        cfg = UbConfig().with_entry("fc2_fprop", GemmOverlapConfig(method="pipeline", num_sm=1 + who, num_splits=1 + i))
+        atomic_write_text(path, dumps_yaml(cfg, header=f"writer {who} round {i}\n" + "x" * 4000), backup=True)
+
+
+def test_concurrent_writers_of_one_output_yaml_leave_a_valid_file(tmp_path):
+    import multiprocessing as mp
+    from megatron_tp_overlap.ub_config import load_yaml
+    path = tmp_path / "tuned.yaml"
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_write_many, args=(str(path), w)) for w in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    for f in (path, path.with_name(path.name + ".bak")):
+        assert load_yaml(f).get("fc2_fprop").method == "pipeline"  # whole files only, never half of one
+    assert not [f for f in tmp_path.iterdir() if f.name not in ("tuned.yaml", "tuned.yaml.bak")]  # no temp files left
