@@ -121,6 +121,9 @@ CATALOG: list[tuple[str, Callable[[], str], tuple[str, ...]]] = [
     ("megatron: TP=1", lambda: megatron_error(tensor_model_parallel_size=1), ("--tensor-model-parallel-size >= 2",)),
     ("megatron: Transformer Engine missing", lambda: megatron_error(te_available=False), ("needs Transformer Engine",)),
     ("megatron: local transformer implementation", lambda: megatron_error(transformer_impl="local"), ("--transformer-impl",)),
+    ("megatron: fp16 with overlap", lambda: megatron_error(fp16=True), ("--fp16", "adds in bf16", "use --bf16")),
+    ("bench: TE reduce-scatter in fp16", lambda: __import__("megatron_tp_overlap.bench", fromlist=["x"]).backend_support(
+        "te_ring", "float16", "rs") or "", ("fp16 sums come out wrong",)),
     ("megatron: zero step budget", lambda: megatron_error(tp_comm_overlap_autotune_steps=0), ("-steps = 0", ">= 1")),
     ("megatron: unwritable output", lambda: megatron_error(tp_comm_overlap_autotune_output=f"{UNWRITABLE}/t.yaml"),
      ("-output", "cannot write")),

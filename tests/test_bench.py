@@ -28,6 +28,8 @@ def test_shape_checks():
 def test_backend_support():
     assert "TE userbuffers" in backend_support("te_ring", "float32")
     assert backend_support("te_pipeline", "bfloat16") is None and backend_support("nccl", "float32") is None
+    assert "adds in bf16" in backend_support("te_ring", "float16", "rs") and backend_support("te_ring", "float16", "ag") is None
+    assert backend_support("nccl", "float16", "rs") is None
 
 
 def test_metrics():

@@ -78,6 +78,10 @@ def check_arguments(args: argparse.Namespace, te_available: bool = True) -> list
         p.append(f"{FLAG} needs --tensor-model-parallel-size >= 2 (got {tp}): there is no TP communication to overlap")
     if getattr(args, "transformer_impl", "transformer_engine") != "transformer_engine" or not te_available:
         p.append(f"{FLAG} needs Transformer Engine (pip install transformer-engine[pytorch]) and --transformer-impl transformer_engine")
+    if getattr(args, "fp16", False):
+        p.append(f"{FLAG} with --fp16: TE's userbuffers reduce-scatter adds in bf16 on Ampere and newer "
+                 "(transformer_engine/common/comm_gemm_overlap/userbuffers/userbuffers.cu), so fp16 overlap gives wrong "
+                 "sums; use --bf16")
     if getattr(args, "tp_comm_overlap_autotune_steps", 1) < 1:
         p.append(f"{FLAG}-steps = {args.tp_comm_overlap_autotune_steps}: must be >= 1")
     if getattr(args, "tp_comm_overlap_autotune_seconds", 1.0) <= 0:
