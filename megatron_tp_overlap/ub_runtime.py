@@ -144,9 +144,9 @@ class UbSwitcher:
         _sync()
         self.barrier()
 
-    def apply(self, config: TuningConfig) -> bool:
-        """Make ``config`` live. Returns True when userbuffers were re-initialized."""
-        reinit = self.current is None or config.ub != self.current.ub
+    def apply(self, config: TuningConfig, force: bool = False) -> bool:
+        """Make ``config`` live. Returns True when userbuffers were re-initialized (always with ``force``)."""
+        reinit = force or self.current is None or config.ub != self.current.ub
         if reinit:
             base = _te_base()
             t0 = time.perf_counter()

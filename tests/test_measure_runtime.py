@@ -75,6 +75,8 @@ def test_switcher_reinitializes_only_when_ub_cfgs_change(fake_te):
     assert all(m.module.ub_overlap_ag_fprop for m in mods if m.name == "fc1")
     sw.apply(TuningConfig(UbConfig()))
     assert sw.reinits == 2 and fake_te.destroys == 1
+    assert sw.apply(TuningConfig(UbConfig()), force=True) is True  # new buffers for the same config
+    assert sw.reinits == 3 and fake_te.destroys == 2
     sw.restore_built_flags()
     assert all(m.module.ub_overlap_ag_fprop for m in mods if m.name == "qkv")
 

@@ -28,3 +28,15 @@ def test_render_and_plot(tmp_path):
     assert "| llama3_8b | 4 | autotuned | 8.800 | 0.100 | 0.60 | 2.000 |" in ob.render([r])
     ob.plot([r], tmp_path / "b.png")
     assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_predecessor_effect_plan_interleaves_every_order():
+    import importlib.util
+    from pathlib import Path
+    spec = importlib.util.spec_from_file_location("pe", Path(__file__).parents[1] / "benchmarks" / "predecessor_effect.py")
+    pe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pe)
+    p = pe.plan(3)
+    assert [o for o, _ in p] == list(pe.ORDERS) * 3 and dict(p)["flags"] == "off"
+    s = pe.summarize({"same": [1.0, 3.0, 2.0], "flags": []})
+    assert s == {"same": {"median": 2.0, "spread": 2.0, "rounds": 3}}
