@@ -551,7 +551,10 @@ class TPOverlapAutotuneCallback:
     @staticmethod
     def _tensorboard(res: Any) -> None:
         """Tuning results into Megatron's TensorBoard writer, on the rank that has one (the last)."""
-        from megatron.training import get_tensorboard_writer
+        try:
+            from megatron.training import get_tensorboard_writer
+        except ImportError:  # Megatron-Bridge runs without megatron.training's globals
+            return
         writer = get_tensorboard_writer()
         if writer is None:
             return

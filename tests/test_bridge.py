@@ -1,0 +1,149 @@
+"""Megatron-Bridge integration, on CPU: Bridge's modules (which need TE to import) are replaced by
+stand-ins with the same names and signatures (megatron.bridge 0.6: ``training.comm_overlap.
+CommOverlapConfig``, ``training.pretrain.train``, ``training.utils.train_utils.prepare_forward_step_func``)."""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import sys
+import types
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Optional
+
+import pytest
+
+
+@dataclass(kw_only=True)
+class CommOverlapConfig:  # the fields of Bridge 0.6's, enough for the subclass
+    tp_comm_overlap: bool
+    tp_comm_overlap_cfg: Optional[object] = None
+    tp_comm_bootstrap_backend: Optional[str] = "nccl"
+
+    def finalize(self):
+        self.user_comm_overlap_cfg = {"tp_comm_overlap": self.tp_comm_overlap}
+
+
+@pytest.fixture
+def bridge(monkeypatch):
+    calls = {}
+
+    def train(forward_step_func, model, optimizer, scheduler, train_data_iterator, valid_data_iterator, global_state,
+              *rest, **kw):
+        calls["train"] = train_data_iterator
+        return "trained"
+
+    mods = {
+        "megatron": types.ModuleType("megatron"),
+        "megatron.bridge": types.ModuleType("megatron.bridge"),
+        "megatron.bridge.training": types.ModuleType("megatron.bridge.training"),
+        "megatron.bridge.training.comm_overlap": types.ModuleType("megatron.bridge.training.comm_overlap"),
+        "megatron.bridge.training.pretrain": types.ModuleType("megatron.bridge.training.pretrain"),
+        "megatron.bridge.training.utils": types.ModuleType("megatron.bridge.training.utils"),
+        "megatron.bridge.training.utils.train_utils": types.ModuleType("megatron.bridge.training.utils.train_utils"),
+    }
+    mods["megatron.bridge.training.comm_overlap"].CommOverlapConfig = CommOverlapConfig
+    mods["megatron.bridge.training.pretrain"].train = train
+    mods["megatron.bridge.training.utils.train_utils"].prepare_forward_step_func = lambda f, state: ("wrapped", f)
+    for name, mod in mods.items():
+        if name == "megatron" and "megatron" in sys.modules:
+            continue  # a real megatron-core (Python 3.12): keep it, add bridge below it
+        monkeypatch.setitem(sys.modules, name, mod)
+    monkeypatch.delitem(sys.modules, "megatron_tp_overlap.integrations.bridge", raising=False)
+    b = importlib.import_module("megatron_tp_overlap.integrations.bridge")
+    monkeypatch.setattr(b, "_installed", False)
+    return SimpleNamespace(module=b, pretrain=mods["megatron.bridge.training.pretrain"], calls=calls)
+
+
+def container(tmp_path, overlap, tp=2, **model):
+    m = dict(tp_comm_overlap=True, sequence_parallel=True, tensor_model_parallel_size=tp, context_parallel_size=1,
+             seq_length=8192, hidden_size=4096, ffn_hidden_size=14336, num_attention_heads=32, num_query_groups=8,
+             fp8=None, fp16=False, bf16=True, tp_comm_bootstrap_backend="nccl", tp_comm_overlap_rs_dgrad=False,
+             tp_comm_overlap_cfg=None)
+    m.update(model)
+    return SimpleNamespace(model=SimpleNamespace(**m), train=SimpleNamespace(micro_batch_size=1),
+                           checkpoint=SimpleNamespace(save=str(tmp_path)), comm_overlap=overlap)
+
+
+def test_the_config_is_bridges_own_plus_the_options(bridge):
+    c = bridge.module.AutotuneCommOverlapConfig(tp_comm_overlap=True, tp_comm_overlap_autotune_seconds=30)
+    assert isinstance(c, CommOverlapConfig) and c.tp_comm_overlap_autotune and c.tp_comm_overlap_autotune_seconds == 30
+    names = {f.name for f in dataclasses.fields(c)}
+    assert {"tp_comm_overlap", "tp_comm_overlap_cfg", "tp_comm_overlap_autotune_strategy"} <= names
+    assert bridge.pretrain.train.__name__ == "train" and bridge.module._installed  # creating one installs the hook
+    c.finalize()
+    assert c.user_comm_overlap_cfg == {"tp_comm_overlap": True}  # Bridge's finalize still runs
+
+
+@pytest.mark.parametrize("kw, needle", [
+    (dict(tp_comm_overlap=False), "needs comm_overlap.tp_comm_overlap=true"),
+    (dict(tp_comm_overlap=True, tp_comm_overlap_autotune_steps=0), "tp_comm_overlap_autotune_steps = 0"),
+    (dict(tp_comm_overlap=True, tp_comm_overlap_autotune_seconds=-5), "tp_comm_overlap_autotune_seconds = -5"),
+    (dict(tp_comm_overlap=True, tp_comm_overlap_autotune_strategy="random"), "must be one of coordinate"),
+])
+def test_bad_options_are_refused_when_bridge_finalizes(bridge, kw, needle):
+    c = bridge.module.AutotuneCommOverlapConfig(**kw)
+    with pytest.raises(ValueError, match=needle):
+        c.finalize()
+    assert bridge.module.AutotuneCommOverlapConfig(**{**kw, "tp_comm_overlap_autotune": False}).problems() == []
+
+
+def test_megatron_argument_names_from_a_bridge_container(bridge, tmp_path):
+    from megatron_tp_overlap.integrations.megatron import check_arguments, tuning_key
+    c = bridge.module.AutotuneCommOverlapConfig(tp_comm_overlap=True, tp_comm_overlap_autotune_seconds=30)
+    args = bridge.module.megatron_args(container(tmp_path, c), c, None)
+    args.tp_comm_overlap_autotune_output = str(tmp_path / "t.yaml")
+    assert check_arguments(args) == []
+    assert args.tp_comm_overlap_autotune_seconds == 30 and args.group_query_attention and args.micro_batch_size == 1
+    assert tuning_key(args, "NVIDIA H200", "2.20.2")["kv_groups"] == 8
+    bad = bridge.module.megatron_args(container(tmp_path, c, tp=1, fp16=True, bf16=False, sequence_parallel=False), c, None)
+    bad.tp_comm_overlap_autotune_output = str(tmp_path / "t.yaml")
+    text = "\n".join(check_arguments(bad))
+    assert "--tensor-model-parallel-size >= 2" in text and "--sequence-parallel" in text and "--fp16" in text
+
+
+def test_the_runs_dataclass_config_becomes_the_reference_yaml(bridge, tmp_path):
+    from megatron_tp_overlap.integrations.layer_cfg import BulkOverlapCfg, PipelineOverlapCfg, RingExchangeOverlapCfg, TransformerLayerTPOverlapCfg, as_ub_cfgs
+    from megatron_tp_overlap.presets import PRESETS
+    from megatron_tp_overlap.ub_config import load_yaml
+    ring = RingExchangeOverlapCfg()
+    layer = TransformerLayerTPOverlapCfg(BulkOverlapCfg(4, 2, False), BulkOverlapCfg(24, 2, False), BulkOverlapCfg(2, 2, False),
+                                         BulkOverlapCfg(4, 2, False), ring, ring, ring, ring,
+                                         PipelineOverlapCfg(24, 2, 4, True), PipelineOverlapCfg(16, 2, 4, True))
+    model = SimpleNamespace(tp_comm_overlap_cfg=as_ub_cfgs(layer))  # what CommOverlapConfig.setup leaves there
+    path = bridge.module.reference_yaml(model, tmp_path / "tuned.yaml")
+    assert load_yaml(path) == PRESETS["userbuffers_bf16_h100_h8192_tp4_mbs1_seqlen8192"]
+    assert bridge.module.reference_yaml(SimpleNamespace(tp_comm_overlap_cfg="/x/ub.yaml"), tmp_path / "t.yaml") == "/x/ub.yaml"
+    assert bridge.module.reference_yaml(SimpleNamespace(tp_comm_overlap_cfg=None), tmp_path / "t.yaml") is None
+
+
+def test_the_hook_tunes_then_hands_bridge_the_same_iterator_and_the_tuned_config(bridge, tmp_path, monkeypatch):
+    import torch.distributed as dist
+    from megatron_tp_overlap.integrations import megatron as mlm
+    from megatron_tp_overlap.ub_config import parse_ub_cfgs
+    seen = {}
+
+    class FakeCallback:
+        def __init__(self, args):
+            seen["args"] = args
+            self.result = None
+
+        def __call__(self, fwd, model, optimizer, it):
+            seen["fwd"] = fwd
+            self.result = SimpleNamespace(best=SimpleNamespace(ub=parse_ub_cfgs({"fc2_fprop": {"method": "ring_exchange"}})))
+            return ["replayed", it]
+
+    monkeypatch.setattr(mlm, "TPOverlapAutotuneCallback", FakeCallback)
+    monkeypatch.setattr(dist, "get_rank", lambda *a: 0)
+    monkeypatch.setattr(dist, "broadcast_object_list", lambda objs, src=0: None)
+    c = bridge.module.AutotuneCommOverlapConfig(tp_comm_overlap=True)
+    state = SimpleNamespace(cfg=container(tmp_path, c))
+    out = bridge.pretrain.train("fwd", ["model"], "opt", "sched", "it", None, state, "ckpt", "pg", callback_manager=None)
+    assert out == "trained" and bridge.calls["train"] == ["replayed", "it"]
+    assert seen["fwd"] == ("wrapped", "fwd") and seen["args"].tp_comm_overlap_autotune_output == str(tmp_path / "tp_comm_overlap_tuned.yaml")
+    assert state.cfg.model.tp_comm_overlap_cfg == str(tmp_path / "tp_comm_overlap_tuned.yaml")
+    assert type(c.tp_comm_overlap_cfg).__name__ == "TransformerLayerTPOverlapCfg" and c.tp_comm_overlap_cfg.fc2_fprop.method == "ring_exchange"
+    # a run without the autotune config is passed through untouched
+    bridge.calls.clear()
+    plain = SimpleNamespace(cfg=container(tmp_path, CommOverlapConfig(tp_comm_overlap=True)))
+    assert bridge.pretrain.train("fwd", [], None, None, "it", None, plain) == "trained" and bridge.calls["train"] == "it"
