@@ -23,7 +23,9 @@ CASES = {  # name: (shipped model config, seq, micro-batch)
     "llama3_8b": ("meta-llama/Meta-Llama-3-8B", 8192, 1),
     "llama3_70b": ("meta-llama/Meta-Llama-3-70B", 4096, 1),
     "gpt3_20b": ("gpt3/gpt3-20b", 2048, 2),
+    "llama3_70b_seq8192": ("meta-llama/Meta-Llama-3-70B", 8192, 1),  # the TP=8 case (issue 10)
 }
+DEFAULT_CASES = ("llama3_8b", "llama3_70b", "gpt3_20b")
 AG_PER_LAYER, RS_PER_LAYER = 6, 4  # fwd: 2 AG + 2 RS; bwd: 2 AG of grads, 2 AG of ln_out for wgrad, 2 RS
 
 
@@ -141,7 +143,7 @@ def plot(results: list[dict], path: Path) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--cases", default=",".join(CASES))
+    p.add_argument("--cases", default=",".join(DEFAULT_CASES), help=f"comma list of {', '.join(CASES)}")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--rounds", type=int, default=3)
