@@ -197,7 +197,8 @@ def median_cuda_ms(fn: Callable[[], Any], iters: int, warmup: int = 3, group: An
 def compare_configs(configs: dict[str, Any], apply: Callable[[Any], Any], step: Callable[[], Any], steps: int = 20,
                     rounds: int = 5, group: Any = None, timer: Callable[..., float] | None = None) -> dict[str, dict[str, float]]:
     """Step time of each named config, measured in ``rounds`` interleaved rounds of ``steps`` steps
-    (drift of clocks or neighbours hits every config alike); names whose configs are equal share one
+    (drift of clocks or neighbours hits every config alike; the order rotates each round so that no
+    config always follows the same one); names whose configs are equal share one
     measurement, so a config is never reported faster than itself. Returns, per name, the median of
     the round medians and the spread (max - min) of the round medians, in ms (max over ranks)."""
     unique: list[Any] = []
@@ -205,9 +206,9 @@ def compare_configs(configs: dict[str, Any], apply: Callable[[Any], Any], step: 
         if c not in unique:
             unique.append(c)
     samples: list[list[float]] = [[] for _ in unique]
-    for _ in range(rounds):
-        for i, c in enumerate(unique):
-            apply(c)
+    for r in range(rounds):
+        for i in [(j + r) % len(unique) for j in range(len(unique))]:  # rotated: no fixed predecessor
+            apply(unique[i])
             samples[i].append((timer or median_cuda_ms)(step, steps, group=group))
     stats = [{"median": statistics.median(s), "spread": max(s) - min(s), "rounds": len(s)} for s in samples]
     return {name: dict(stats[unique.index(c)]) for name, c in configs.items()}

@@ -135,6 +135,14 @@ def significant_gain(base: Sequence[float], cand: Sequence[float], sigma: float,
     return gain, max(z * se, rel_floor * statistics.median(base))
 
 
+def rotated(items: list, r: int) -> list:
+    """``items`` rotated left by ``r``: over len(items) rounds every item follows every other once."""
+    if not items:
+        return items
+    k = r % len(items)
+    return items[k:] + items[:k]
+
+
 class Searcher:
     def __init__(self, topo: Topology, space: dict[str, list[Option]], evaluate: Evaluate,
                  ctx: ValidationContext, options: SearchOptions = SearchOptions(),
@@ -423,8 +431,10 @@ class Searcher:
         cont: list[Contender] = [Contender(n, c) for n, c in baselines.items()]
         if all(tuned != c.config for c in cont):
             cont.insert(0, Contender(tuned.label or "autotuned", tuned))
-        for _ in range(o.confirm_rounds):  # interleaved, so drift hits every contender alike
-            for c in cont:
+        for r in range(o.confirm_rounds):  # interleaved, so drift hits every contender alike
+            # rotated each round, so no contender is always measured right after the same one (a
+            # config switch can leave state behind that changes the next config's step time)
+            for c in rotated(cont, r):
                 if not self._can_afford(o.confirm_steps) and c.samples:
                     continue
                 t = self._run("confirm", c.config, {"*": c.name}, o.confirm_steps)

@@ -144,9 +144,10 @@ def test_compare_configs_interleaves_rounds_and_never_times_a_config_against_its
 
     st = compare_configs({"TE default": a, "tuned": TuningConfig(UbConfig(), frozenset(), "reference"), "x": b},
                          apply, lambda: None, steps=3, rounds=4, timer=timer)
-    assert order == [a, b] * 4  # interleaved, and the duplicate is measured once
+    assert order == [a, b, b, a] * 2  # interleaved and rotated, and the duplicate is measured once
     assert st["tuned"] == st["TE default"] and st["TE default"]["rounds"] == 4
-    assert st["TE default"]["median"] == 3.0 and st["x"]["median"] == 4.0 and st["x"]["spread"] == 6.0
+    # clock 0..7: a got 0, 3, 4, 7; b got 1, 2, 5, 6
+    assert st["TE default"]["median"] == 3.5 and st["x"]["median"] == 3.5 and st["x"]["spread"] == 5.0
 
 
 def _write_many(path: str, who: int) -> None:

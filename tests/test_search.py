@@ -150,3 +150,18 @@ def test_slot_exhaustive_respects_the_budget():
     res = Searcher(topo, space, Synthetic(topo), CTX, SearchOptions(strategy="slot_exhaustive", max_steps=150,
                                                                      max_seconds=1e9)).run(ref, base)
     assert res.steps_run <= 150 and res.budget_hit
+
+
+def test_confirmation_rotates_so_no_contender_always_follows_the_same_one():
+    from megatron_tp_overlap.search import rotated
+    assert rotated([1, 2, 3], 0) == [1, 2, 3] and rotated([1, 2, 3], 1) == [2, 3, 1] and rotated([1, 2, 3], 5) == [3, 1, 2]
+    assert rotated([], 3) == []
+    topo, space, ref, base = setup()
+    ev = Synthetic(topo)
+    res = Searcher(topo, space, ev, CTX, SearchOptions(max_steps=10_000, max_seconds=1e9)).run(ref, base)
+    names = [t.config.label or "autotuned" for t in res.trials if t.phase == "confirm"]
+    n = len({c.name for c in res.contenders})
+    rounds = [names[i:i + n] for i in range(0, len(names), n)]
+    assert len(rounds) >= 2 and rounds[0] != rounds[1] and sorted(rounds[0]) == sorted(rounds[1])
+    predecessors = {(a, b) for r in rounds for a, b in zip(r, r[1:])}
+    assert len(predecessors) > n - 1  # more (predecessor, contender) pairs than one fixed order gives
