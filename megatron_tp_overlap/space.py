@@ -103,6 +103,13 @@ class SpaceSpec:
     include_bulk_dgrad: bool = True
 
 
+def allows_dgrad_mode(spec: SpaceSpec, ub: UbConfig, gemm: str) -> bool:
+    """Whether ``ub`` runs ``gemm`` (qkv_dgrad / fc1_dgrad) in a dgrad mode ``spec`` allows."""
+    if gemm not in BULK_DGRAD_GEMMS:
+        return True
+    return spec.include_rs_dgrad if ub.dgrad_is_reduce_scatter(gemm) else spec.include_bulk_dgrad
+
+
 def _grid(gemm: str, spec: SpaceSpec) -> list[GemmOverlapConfig]:
     G = GemmOverlapConfig
     if gemm in AG_GEMMS:
@@ -144,10 +151,8 @@ def build_space(topo: Topology, ctx: ValidationContext, priors: Iterable[UbConfi
             probe = apply(TuningConfig(), opt, topo)
             if not is_valid(probe, ctx):
                 continue
-            if opt.enabled and gemm in BULK_DGRAD_GEMMS:
-                rs = probe.ub.dgrad_is_reduce_scatter(gemm)
-                if (rs and not spec.include_rs_dgrad) or (not rs and not spec.include_bulk_dgrad):
-                    continue
+            if opt.enabled and not allows_dgrad_mode(spec, probe.ub, gemm):
+                continue
             key = effective_key(opt, ctx)
             if key not in seen:
                 seen.add(key)

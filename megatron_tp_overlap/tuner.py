@@ -19,7 +19,7 @@ from .numerics import rel_diff
 from .presets import PRESETS
 from .report import build_report, render_summary, summary_rows
 from .search import Measurement, SearchOptions, SearchResult, Searcher, Trial, TrialFailed
-from .space import SpaceSpec, TuningConfig, all_off, build_space, is_valid
+from .space import SpaceSpec, TuningConfig, all_off, allows_dgrad_mode, build_space, is_valid
 from .topology import OverlapModule, Topology, build_topology, find_overlap_modules
 from .ub_config import UbConfig
 from .ub_runtime import UbInitArgs, UbSwitcher
@@ -224,11 +224,8 @@ class Autotuner:
         cfg = TuningConfig(PRESETS[name], frozenset(), f"preset {name}")
         if cfg.ub == self.reference or not is_valid(cfg, self.ctx):
             return {}
-        for g in ("qkv_dgrad", "fc1_dgrad"):
-            rs = cfg.ub.dgrad_is_reduce_scatter(g)
-            if g in self.topology.active and ((rs and not self.space_spec.include_rs_dgrad) or
-                                              (not rs and not self.space_spec.include_bulk_dgrad)):
-                return {}
+        if any(not allows_dgrad_mode(self.space_spec, cfg.ub, g) for g in self.topology.active):
+            return {}
         return {cfg.label: cfg}
 
     def tune(self) -> TuneResult:

@@ -43,6 +43,7 @@ def test_good_combination_has_no_problems(tmp_path):
     (dict(tp_comm_overlap_autotune_steps=0), "-steps = 0"),
     (dict(tp_comm_overlap_autotune_seconds=-1.0), "-seconds = -1.0"),
     (dict(tp_comm_overlap_autotune_trial_timeout=0.0), "-trial-timeout = 0.0"),
+    (dict(tp_comm_overlap_autotune_rtol=0.0), "-rtol = 0.0"),
 ])
 def test_bad_combinations_are_named(kw, needle, tmp_path):
     probs = check_arguments(ns(tp_comm_overlap_autotune_output=str(tmp_path / "x.yaml"), **kw))

@@ -27,7 +27,6 @@ from typing import Any, Optional
 
 from megatron.bridge.training.comm_overlap import CommOverlapConfig
 
-from ..search import STRATEGIES
 from . import megatron as mlm
 
 _installed = False
@@ -61,16 +60,8 @@ class AutotuneCommOverlapConfig(CommOverlapConfig):
             return p
         if not self.tp_comm_overlap:
             p.append("comm_overlap.tp_comm_overlap_autotune needs comm_overlap.tp_comm_overlap=true")
-        if self.tp_comm_overlap_autotune_steps < 1:
-            p.append(f"comm_overlap.tp_comm_overlap_autotune_steps = {self.tp_comm_overlap_autotune_steps}: must be >= 1")
-        for key in ("seconds", "rtol", "trial_timeout"):
-            v = getattr(self, f"tp_comm_overlap_autotune_{key}")
-            if not v > 0:
-                p.append(f"comm_overlap.tp_comm_overlap_autotune_{key} = {v}: must be > 0")
-        if self.tp_comm_overlap_autotune_strategy not in STRATEGIES:
-            p.append(f"comm_overlap.tp_comm_overlap_autotune_strategy = {self.tp_comm_overlap_autotune_strategy!r}: "
-                     f"must be one of {', '.join(STRATEGIES)}")
-        return p
+        return p + mlm.option_problems(lambda k: getattr(self, f"tp_comm_overlap_autotune_{k}"),
+                                       lambda k: f"comm_overlap.tp_comm_overlap_autotune_{k}")
 
     def finalize(self) -> None:
         problems = self.problems()

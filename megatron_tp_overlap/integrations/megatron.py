@@ -82,12 +82,8 @@ def check_arguments(args: argparse.Namespace, te_available: bool = True) -> list
         p.append(f"{FLAG} with --fp16: TE's userbuffers reduce-scatter adds in bf16 on Ampere and newer "
                  "(transformer_engine/common/comm_gemm_overlap/userbuffers/userbuffers.cu), so fp16 overlap gives wrong "
                  "sums; use --bf16")
-    if getattr(args, "tp_comm_overlap_autotune_steps", 1) < 1:
-        p.append(f"{FLAG}-steps = {args.tp_comm_overlap_autotune_steps}: must be >= 1")
-    if getattr(args, "tp_comm_overlap_autotune_seconds", 1.0) <= 0:
-        p.append(f"{FLAG}-seconds = {args.tp_comm_overlap_autotune_seconds}: must be > 0")
-    if getattr(args, "tp_comm_overlap_autotune_trial_timeout", 1.0) <= 0:
-        p.append(f"{FLAG}-trial-timeout = {args.tp_comm_overlap_autotune_trial_timeout}: must be > 0")
+    p += option_problems(lambda k: getattr(args, f"tp_comm_overlap_autotune_{k}", None),
+                         lambda k: f"{FLAG}-{k.replace('_', '-')}")
     cfg = getattr(args, "tp_comm_overlap_cfg", None)
     if cfg:
         from ..validation import ValidationContext, load_and_validate
@@ -98,6 +94,24 @@ def check_arguments(args: argparse.Namespace, te_available: bool = True) -> list
     why = unwritable(output_path(args).parent)
     if why:
         p.append(f"{FLAG}-output: cannot write the tuned YAML there ({why})")
+    return p
+
+
+def option_problems(value: Callable[[str], Any], name: Callable[[str], str]) -> list[str]:
+    """The autotune options' own rules (budgets, tolerance, timeout, strategy), for every way in:
+    ``value(k)`` reads option ``k`` (e.g. ``"steps"``; None: not given), ``name(k)`` is what the user typed."""
+    from ..search import STRATEGIES
+    p = []
+    steps = value("steps")
+    if steps is not None and steps < 1:
+        p.append(f"{name('steps')} = {steps}: must be >= 1")
+    for k in ("seconds", "rtol", "trial_timeout"):
+        v = value(k)
+        if v is not None and not v > 0:
+            p.append(f"{name(k)} = {v}: must be > 0")
+    strategy = value("strategy")
+    if strategy is not None and strategy not in STRATEGIES:
+        p.append(f"{name('strategy')} = {strategy!r}: must be one of {', '.join(STRATEGIES)}")
     return p
 
 
