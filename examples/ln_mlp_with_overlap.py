@@ -101,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_tp_overlap.numerics import Fingerprint
     from megatron_tp_overlap.search import SearchOptions
     from megatron_tp_overlap.space import TuningConfig, all_off
+    from megatron_tp_overlap.topology import build_topology, find_overlap_modules
     from megatron_tp_overlap.tuner import Autotuner
     from megatron_tp_overlap.ub_config import UbConfig, load_yaml
     from megatron_tp_overlap.ub_runtime import capture_initialize_ub
@@ -144,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     layer = te.LayerNormMLP(hidden, ffn, ub_overlap_ag=overlap, ub_overlap_rs=overlap, ub_bulk_dgrad=overlap,
                             ub_bulk_wgrad=overlap, **kw)
     model = torch.nn.parallel.DistributedDataParallel(layer, process_group=dp_group) if dp_group is not None else layer
+    # Found now, while every overlap flag is on: a tuned config may switch them all off ("no overlap" won).
+    mods = find_overlap_modules(layer) if overlap else []
     optim = torch.optim.Adam(model.parameters(), lr=1e-4)
     shape = (args.seq_length // tp, args.batch_size, hidden)
     g = torch.Generator(device="cuda").manual_seed(args.seed + rank)
@@ -229,9 +232,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.benchmark and overlap:
         from megatron_tp_overlap.measure import compare_configs
-        from megatron_tp_overlap.topology import build_topology, find_overlap_modules
         from megatron_tp_overlap.ub_runtime import UbSwitcher
-        mods = find_overlap_modules(layer)
         given = TuningConfig(load_yaml(args.ub_cfg) if args.ub_cfg else UbConfig(), frozenset(),
                              "given --ub-cfg" if args.ub_cfg else "TE default")
         sw = UbSwitcher(init, mods, barrier=dist.barrier, current=tuned or given)  # what is live now
