@@ -36,7 +36,7 @@ def build_config(a: argparse.Namespace):
         vocab_size=32768, seq_length=a.seq, tensor_model_parallel_size=a.tp, pipeline_model_parallel_size=1,
         context_parallel_size=1, sequence_parallel=True, bf16=True, params_dtype=torch.bfloat16,
         pipeline_dtype=torch.bfloat16, attention_softmax_in_fp32=True, make_vocab_size_divisible_by=128,
-        deterministic_mode=False)
+        deterministic_mode=False, gradient_accumulation_fusion=False)  # True needs APEX's CUDA extension
     out = Path(a.out)
     return ConfigContainer(
         model=model,

@@ -39,11 +39,13 @@ def bridge(monkeypatch):
         "megatron.bridge.training": types.ModuleType("megatron.bridge.training"),
         "megatron.bridge.training.comm_overlap": types.ModuleType("megatron.bridge.training.comm_overlap"),
         "megatron.bridge.training.pretrain": types.ModuleType("megatron.bridge.training.pretrain"),
+        "megatron.bridge.training.initialize": types.ModuleType("megatron.bridge.training.initialize"),
         "megatron.bridge.training.utils": types.ModuleType("megatron.bridge.training.utils"),
         "megatron.bridge.training.utils.train_utils": types.ModuleType("megatron.bridge.training.utils.train_utils"),
     }
     mods["megatron.bridge.training.comm_overlap"].CommOverlapConfig = CommOverlapConfig
     mods["megatron.bridge.training.pretrain"].train = train
+    mods["megatron.bridge.training.initialize"].compile_helpers = lambda: calls.update(make=True)
     mods["megatron.bridge.training.utils.train_utils"].prepare_forward_step_func = lambda f, state: ("wrapped", f)
     for name, mod in mods.items():
         if name == "megatron" and "megatron" in sys.modules:
@@ -52,7 +54,8 @@ def bridge(monkeypatch):
     monkeypatch.delitem(sys.modules, "megatron_tp_overlap.integrations.bridge", raising=False)
     b = importlib.import_module("megatron_tp_overlap.integrations.bridge")
     monkeypatch.setattr(b, "_installed", False)
-    return SimpleNamespace(module=b, pretrain=mods["megatron.bridge.training.pretrain"], calls=calls)
+    return SimpleNamespace(module=b, pretrain=mods["megatron.bridge.training.pretrain"],
+                           initialize=mods["megatron.bridge.training.initialize"], calls=calls)
 
 
 def container(tmp_path, overlap, tp=2, **model):
@@ -147,3 +150,25 @@ def test_the_hook_tunes_then_hands_bridge_the_same_iterator_and_the_tuned_config
     bridge.calls.clear()
     plain = SimpleNamespace(cfg=container(tmp_path, CommOverlapConfig(tp_comm_overlap=True)))
     assert bridge.pretrain.train("fwd", [], None, None, "it", None, plain) == "trained" and bridge.calls["train"] == "it"
+
+
+@pytest.mark.parametrize("importable, runs_make", [(True, False), (False, True)])
+def test_bridge_skips_make_when_the_wheels_dataset_helpers_import(bridge, monkeypatch, importable, runs_make):
+    """Bridge's initialize imports compile_helpers by name; a pip-installed megatron-core has the compiled
+    helpers but no Makefile, so Bridge's own `make` fails (seen on the GPU image)."""
+    from megatron_tp_overlap.integrations import megatron as mlm
+    monkeypatch.setattr(mlm, "_helpers_importable", lambda: importable)
+    bridge.module.install()
+    bridge.initialize.compile_helpers()
+    assert ("make" in bridge.calls) is runs_make
+
+
+def test_bridge_fields_and_megatron_flags_share_their_defaults(bridge):
+    import argparse
+    from megatron_tp_overlap.integrations import megatron as mlm
+    c = bridge.module.AutotuneCommOverlapConfig(tp_comm_overlap=True)
+    flags = vars(mlm.add_arguments(argparse.ArgumentParser()).parse_args([]))
+    for k, v in mlm.AUTOTUNE_DEFAULTS.items():
+        assert getattr(c, k) == v
+        if k not in ("tp_comm_overlap_autotune",):  # the flag is off unless given; the Bridge config means "on"
+            assert flags[k] == v, k

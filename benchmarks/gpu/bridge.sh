@@ -11,11 +11,11 @@ python3 -c "import transformer_engine.pytorch, megatron.core" 2>/dev/null || { e
 python3 -m pip install -q --no-index --no-deps .bridge/wheels/*.whl 2>&1 | grep -vi warning
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . 2>&1 | grep -vi warning
 python3 -c "import megatron.bridge, megatron.bridge.training.pretrain; print('megatron-bridge', megatron.bridge.__version__)" 2>&1 | tail -3
-for run in auto default; do
+for run in ${RUNS:-auto default}; do
   el "Bridge TP=2: $run"
   extra=""; [ $run = default ] && extra="--no-autotune"
   CUDA_VISIBLE_DEVICES=0,1 timeout 200 torchrun --nproc-per-node=2 --master-port 29511 benchmarks/bridge_autotune.py --tp 2 \
-      --layers 4 --seq 8192 --iters 20 $extra --out "$R/$run" -- comm_overlap.tp_comm_overlap_autotune_seconds=30 \
+      --layers 4 --seq 8192 --iters 15 $extra --out "$R/$run" -- comm_overlap.tp_comm_overlap_autotune_seconds=20 \
       > "$R/bridge_$run.log" 2>&1; echo "rc=$?"
 done
 el done

@@ -28,6 +28,7 @@ from typing import Any, Optional
 from megatron.bridge.training.comm_overlap import CommOverlapConfig
 
 from . import megatron as mlm
+from .megatron import AUTOTUNE_DEFAULTS
 
 _installed = False
 
@@ -37,15 +38,15 @@ class AutotuneCommOverlapConfig(CommOverlapConfig):
     """Bridge's ``CommOverlapConfig`` plus the autotune options (same meaning as the Megatron-LM flags
     ``--tp-comm-overlap-autotune-*``)."""
 
-    tp_comm_overlap_autotune: bool = True
-    tp_comm_overlap_autotune_seconds: float = 60.0
-    tp_comm_overlap_autotune_steps: int = 400
-    tp_comm_overlap_autotune_strategy: str = "coordinate"
-    tp_comm_overlap_autotune_output: Optional[str] = None
-    tp_comm_overlap_autotune_reuse: bool = False
-    tp_comm_overlap_autotune_allow_off: bool = False
-    tp_comm_overlap_autotune_rtol: float = 2e-2
-    tp_comm_overlap_autotune_trial_timeout: float = 120.0
+    tp_comm_overlap_autotune: bool = AUTOTUNE_DEFAULTS["tp_comm_overlap_autotune"]
+    tp_comm_overlap_autotune_seconds: float = AUTOTUNE_DEFAULTS["tp_comm_overlap_autotune_seconds"]
+    tp_comm_overlap_autotune_steps: int = AUTOTUNE_DEFAULTS["tp_comm_overlap_autotune_steps"]
+    tp_comm_overlap_autotune_strategy: str = AUTOTUNE_DEFAULTS["tp_comm_overlap_autotune_strategy"]
+    tp_comm_overlap_autotune_output: Optional[str] = AUTOTUNE_DEFAULTS["tp_comm_overlap_autotune_output"]
+    tp_comm_overlap_autotune_reuse: bool = AUTOTUNE_DEFAULTS["tp_comm_overlap_autotune_reuse"]
+    tp_comm_overlap_autotune_allow_off: bool = AUTOTUNE_DEFAULTS["tp_comm_overlap_autotune_allow_off"]
+    tp_comm_overlap_autotune_rtol: float = AUTOTUNE_DEFAULTS["tp_comm_overlap_autotune_rtol"]
+    tp_comm_overlap_autotune_trial_timeout: float = AUTOTUNE_DEFAULTS["tp_comm_overlap_autotune_trial_timeout"]
 
     def __post_init__(self) -> None:
         parent = getattr(super(), "__post_init__", None)
@@ -72,39 +73,16 @@ class AutotuneCommOverlapConfig(CommOverlapConfig):
 
 def megatron_args(cfg: Any, overlap: AutotuneCommOverlapConfig, reference_yaml: str | None) -> argparse.Namespace:
     """The Megatron-LM argument names the tuning callback reads, from a Bridge ``ConfigContainer``."""
-    m = cfg.model
-    kv = getattr(m, "num_query_groups", None)
-    save = getattr(getattr(cfg, "checkpoint", None), "save", None)
-    return argparse.Namespace(
-        tp_comm_overlap=bool(getattr(m, "tp_comm_overlap", False)), sequence_parallel=bool(m.sequence_parallel),
-        tensor_model_parallel_size=m.tensor_model_parallel_size, context_parallel_size=getattr(m, "context_parallel_size", 1),
-        transformer_impl="transformer_engine", seq_length=m.seq_length, decoder_seq_length=None,
-        decoder_tp_comm_overlap=False, micro_batch_size=cfg.train.micro_batch_size, hidden_size=m.hidden_size,
-        ffn_hidden_size=m.ffn_hidden_size, num_attention_heads=m.num_attention_heads, num_query_groups=kv,
-        group_query_attention=kv is not None and kv != m.num_attention_heads,
-        fp8=getattr(m, "fp8", None), fp16=bool(getattr(m, "fp16", False)), bf16=bool(getattr(m, "bf16", False)),
-        first_last_layers_bf16=bool(getattr(m, "first_last_layers_bf16", False)),
-        num_layers_at_start_in_bf16=getattr(m, "num_layers_at_start_in_bf16", 0) or 0,
-        num_layers_at_end_in_bf16=getattr(m, "num_layers_at_end_in_bf16", 0) or 0,
-        tp_comm_bootstrap_backend=getattr(m, "tp_comm_bootstrap_backend", None) or "nccl",
-        tp_comm_overlap_rs_dgrad=bool(getattr(m, "tp_comm_overlap_rs_dgrad", False)),
-        tp_comm_overlap_cfg=reference_yaml, save=save,
-        **{f.name: getattr(overlap, f.name) for f in dataclasses.fields(AutotuneCommOverlapConfig)
-           if f.name.startswith("tp_comm_overlap_autotune")})
+    options = {f.name: getattr(overlap, f.name) for f in dataclasses.fields(AutotuneCommOverlapConfig)
+               if f.name.startswith("tp_comm_overlap_autotune")}
+    return mlm.args_from_transformer_config(cfg.model, cfg.train.micro_batch_size, options, reference_yaml,
+                                            getattr(getattr(cfg, "checkpoint", None), "save", None))
 
 
 def reference_yaml(model_cfg: Any, out: Path) -> str | None:
-    """The config the run would use without tuning, as a YAML path: Bridge holds a path, a dict
-    (``asdict`` of its dataclass) or None (TE defaults)."""
-    ub = getattr(model_cfg, "tp_comm_overlap_cfg", None)
-    if ub is None or isinstance(ub, (str, Path)):
-        return str(ub) if ub is not None else None
-    from ..atomic import atomic_write_text
-    from ..ub_config import dumps_yaml
-    from .layer_cfg import from_layer_cfg
-    path = out.with_name(out.stem + ".reference.yaml")
-    atomic_write_text(path, dumps_yaml(from_layer_cfg(ub), header="the run's tp_comm_overlap_cfg before tuning"))
-    return str(path)
+    """The config the run would use without tuning, as a YAML path (see :func:`layer_cfg.reference_yaml`)."""
+    from .layer_cfg import reference_yaml as write_reference
+    return write_reference(getattr(model_cfg, "tp_comm_overlap_cfg", None), out)
 
 
 def tune_before_training(state: Any, forward_step_func: Any, model: list, optimizer: Any, train_data_iterator: Any) -> Any:
@@ -144,8 +122,11 @@ def install() -> None:
     global _installed
     if _installed:
         return
+    import megatron.bridge.training.initialize as bridge_initialize
     import megatron.bridge.training.pretrain as bridge_pretrain
 
+    # Bridge imports compile_helpers by name: the same guard as for Megatron-LM (pip wheel: no Makefile)
+    bridge_initialize.compile_helpers = mlm.guarded_compile_helpers(bridge_initialize.compile_helpers)
     original = bridge_pretrain.train
 
     def train(forward_step_func, model, optimizer, scheduler, train_data_iterator, valid_data_iterator, global_state,

@@ -17,6 +17,7 @@ Nothing here imports NeMo or Megatron-Bridge: pass their classes (``classes=``) 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,10 +85,12 @@ class LayerCfgClasses:
     source: str = field(default="megatron_tp_overlap mirror", compare=False)
 
 
-def framework_classes() -> LayerCfgClasses:
-    """Megatron-Bridge's classes if importable, else NeMo 2's, else the mirrors."""
-    for mod_name, source in (("megatron.bridge.training.comm_overlap", "Megatron-Bridge"),
-                             ("nemo.collections.llm.recipes.tp_overlap_configs.userbuffers", "NeMo 2")):
+def framework_classes(prefer: str = "Megatron-Bridge") -> LayerCfgClasses:
+    """The framework's classes (``prefer`` first, "Megatron-Bridge" or "NeMo 2"; the other if that one does
+    not import), else the mirrors."""
+    frameworks = [("megatron.bridge.training.comm_overlap", "Megatron-Bridge"),
+                  ("nemo.collections.llm.recipes.tp_overlap_configs.userbuffers", "NeMo 2")]
+    for mod_name, source in sorted(frameworks, key=lambda f: f[1] != prefer):
         try:
             mod = __import__(mod_name, fromlist=["TransformerLayerTPOverlapCfg"])
             return LayerCfgClasses(mod.TransformerLayerTPOverlapCfg, mod.BulkOverlapCfg, mod.RingExchangeOverlapCfg,
@@ -146,3 +149,15 @@ def _entry(gemm: str, c: GemmOverlapConfig, classes: LayerCfgClasses) -> Any:
         return classes.pipeline(num_sm=c.num_sm, cga_size=c.cga_size, num_splits=c.num_splits,
                                 set_sm_margin=b(c.set_sm_margin), fp8_buf=b(c.fp8_buf), atomic_gemm=b(c.atomic_gemm))
     raise ConfigError([Problem(f"{gemm}.method", c.method, "NeMo/Megatron-Bridge have no dataclass for this method")])
+
+
+def reference_yaml(ub: Any, out: Path) -> str | None:
+    """A run's ``tp_comm_overlap_cfg`` before tuning as a YAML path: NeMo/Bridge hold a path, a
+    ``TransformerLayerTPOverlapCfg`` or its ``asdict``, or None (TE's defaults). Written beside ``out``."""
+    if ub is None or isinstance(ub, (str, Path)):
+        return str(ub) if ub is not None else None
+    from ..atomic import atomic_write_text
+    from ..ub_config import dumps_yaml
+    path = out.with_name(out.stem + ".reference.yaml")
+    atomic_write_text(path, dumps_yaml(from_layer_cfg(ub), header="the run's tp_comm_overlap_cfg before tuning"))
+    return str(path)

@@ -47,8 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument(FLAG, action="store_true",
                    help="Tune the userbuffers config (ub_cfgs) on the real model before the first iteration, "
                         "apply it, and write it as a --tp-comm-overlap-cfg YAML.")
-    g.add_argument(f"{FLAG}-steps", type=int, default=400, help="Budget: trial steps (warmups included).")
-    g.add_argument(f"{FLAG}-seconds", type=float, default=60.0, help="Budget: wall seconds of tuning.")
+    g.add_argument(f"{FLAG}-steps", type=int, default=AUTOTUNE_DEFAULTS["tp_comm_overlap_autotune_steps"], help="Budget: trial steps (warmups included).")
+    g.add_argument(f"{FLAG}-seconds", type=float, default=AUTOTUNE_DEFAULTS["tp_comm_overlap_autotune_seconds"], help="Budget: wall seconds of tuning.")
     g.add_argument(f"{FLAG}-strategy", choices=["coordinate", "slot_exhaustive", "exhaustive"], default="coordinate")
     g.add_argument(f"{FLAG}-output", type=str, default=None,
                    help="Tuned YAML path (default: next to --tp-comm-overlap-cfg, else in --save, else ./).")
@@ -56,12 +56,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="Reuse the YAML at the output path if it was tuned for the same GPU, TP, shape, dtype and TE version.")
     g.add_argument(f"{FLAG}-allow-off", action="store_true",
                    help="Also consider switching a GEMM's overlap off (a module flag the YAML cannot express).")
-    g.add_argument(f"{FLAG}-rtol", type=float, default=2e-2,
+    g.add_argument(f"{FLAG}-rtol", type=float, default=AUTOTUNE_DEFAULTS["tp_comm_overlap_autotune_rtol"],
                    help="Numerics guard: relative error of loss/gradient fingerprints vs no overlap that a candidate may "
                         "always have; the bound is max(this, 3x the starting config's own error, capped at 0.5).")
-    g.add_argument(f"{FLAG}-trial-timeout", type=float, default=120.0,
+    g.add_argument(f"{FLAG}-trial-timeout", type=float, default=AUTOTUNE_DEFAULTS["tp_comm_overlap_autotune_trial_timeout"],
                    help="Seconds: a candidate whose trial (warmup + timed steps) takes longer is rejected.")
     return parser
+
+
+# The autotune options as Bridge's fields / NeMo's callback arguments name them (= the flags above).
+AUTOTUNE_DEFAULTS: dict[str, Any] = {
+    "tp_comm_overlap_autotune": True, "tp_comm_overlap_autotune_seconds": 60.0, "tp_comm_overlap_autotune_steps": 400,
+    "tp_comm_overlap_autotune_strategy": "coordinate", "tp_comm_overlap_autotune_output": None,
+    "tp_comm_overlap_autotune_reuse": False, "tp_comm_overlap_autotune_allow_off": False,
+    "tp_comm_overlap_autotune_rtol": 2e-2, "tp_comm_overlap_autotune_trial_timeout": 120.0,
+}
+
+
+def args_from_transformer_config(m: Any, micro_batch_size: int, options: dict[str, Any], reference_yaml: str | None,
+                                 save: str | None, bootstrap_backend: str | None = None) -> argparse.Namespace:
+    """The Megatron-LM argument names this module reads, from a megatron-core ``TransformerConfig``-like
+    model config (Megatron-Bridge's provider, NeMo's GPT config) and the autotune options."""
+    kv = getattr(m, "num_query_groups", None)
+    return argparse.Namespace(
+        tp_comm_overlap=bool(getattr(m, "tp_comm_overlap", False)), sequence_parallel=bool(m.sequence_parallel),
+        tensor_model_parallel_size=m.tensor_model_parallel_size, context_parallel_size=getattr(m, "context_parallel_size", 1),
+        transformer_impl="transformer_engine", seq_length=m.seq_length, decoder_seq_length=None,
+        decoder_tp_comm_overlap=False, micro_batch_size=micro_batch_size, hidden_size=m.hidden_size,
+        ffn_hidden_size=m.ffn_hidden_size, num_attention_heads=m.num_attention_heads, num_query_groups=kv,
+        group_query_attention=kv is not None and kv != m.num_attention_heads,
+        fp8=getattr(m, "fp8", None), fp16=bool(getattr(m, "fp16", False)), bf16=bool(getattr(m, "bf16", False)),
+        first_last_layers_bf16=bool(getattr(m, "first_last_layers_bf16", False)),
+        num_layers_at_start_in_bf16=getattr(m, "num_layers_at_start_in_bf16", 0) or 0,
+        num_layers_at_end_in_bf16=getattr(m, "num_layers_at_end_in_bf16", 0) or 0,
+        tp_comm_bootstrap_backend=bootstrap_backend or getattr(m, "tp_comm_bootstrap_backend", None) or "nccl",
+        tp_comm_overlap_rs_dgrad=bool(getattr(m, "tp_comm_overlap_rs_dgrad", False)),
+        tp_comm_overlap_cfg=reference_yaml, save=save, **{**AUTOTUNE_DEFAULTS, **options})
 
 
 def check_arguments(args: argparse.Namespace, te_available: bool = True) -> list[str]:
@@ -606,6 +636,15 @@ def _helpers_importable() -> bool:
         return False
 
 
+def guarded_compile_helpers(original: Callable[[], None]) -> Callable[[], None]:
+    """``compile_helpers`` that skips ``make`` when the compiled dataset helpers already import."""
+    def compile_helpers() -> None:
+        if _helpers_importable():  # pip wheel: compiled, no Makefile
+            return
+        original()
+    return compile_helpers
+
+
 DETERMINISTIC_ENV = "MEGATRON_TP_OVERLAP_DETERMINISTIC"
 
 
@@ -656,14 +695,7 @@ def install() -> None:
 
     margs.parse_args = parse_args
 
-    original_compile = ds_utils.compile_helpers
-
-    def compile_helpers():
-        if _helpers_importable():  # pip wheel: compiled, no Makefile
-            return
-        original_compile()
-
-    ds_utils.compile_helpers = compile_helpers
+    ds_utils.compile_helpers = guarded_compile_helpers(ds_utils.compile_helpers)
 
     original_train = mtraining.train
 
