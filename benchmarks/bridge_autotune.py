@@ -89,8 +89,7 @@ def main() -> None:
         cfg = process_config_with_overrides(cfg, cli_overrides=a.overrides)
     pretrain(cfg, forward_step)
 
-    import torch.distributed as dist
-    if dist.is_initialized() and dist.get_rank() == 0:
+    if int(os.environ.get("RANK", "0")) == 0:  # pretrain() has already torn the process group down
         co = cfg.comm_overlap
         summary = {"autotune": co.tp_comm_overlap_autotune, "seconds": co.tp_comm_overlap_autotune_seconds,
                    "model.tp_comm_overlap_cfg": str(cfg.model.tp_comm_overlap_cfg),
