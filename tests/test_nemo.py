@@ -32,13 +32,17 @@ class MegatronCommOverlapCallback:  # NeMo 2.7's constructor signature and the s
 
     def setup(self, trainer, pl_module, stage):
         self.setup_calls.append(stage)
+        if getattr(trainer, "te_missing", False):  # NeMo: "Disabling tensor parallel communication overlap due to TE not detected."
+            self.user_comm_overlap_cfg.tp_comm_overlap = False
+            trainer.model.config.tp_comm_overlap = False
         self.tp_comm_overlap_cfg = self.user_comm_overlap_cfg.tp_comm_overlap_cfg
         self.tp_comm_bootstrap_backend = self.user_comm_overlap_cfg.tp_comm_bootstrap_backend
 
 
 @pytest.fixture
 def nemo(monkeypatch):
-    names = ["nemo", "nemo.lightning", "nemo.lightning.pytorch", "nemo.lightning.pytorch.callbacks",
+    names = ["nemo", "nemo.collections", "nemo.collections.llm", "nemo.lightning", "nemo.lightning.pytorch",
+             "nemo.lightning.pytorch.callbacks",
              "nemo.lightning.pytorch.callbacks.megatron_comm_overlap", "nemo.lightning.megatron_parallel"]
     mods = {n: types.ModuleType(n) for n in names}
     mods["nemo.lightning.pytorch.callbacks.megatron_comm_overlap"].MegatronCommOverlapCallback = MegatronCommOverlapCallback
@@ -98,6 +102,10 @@ def test_setup_refuses_a_run_nemo_would_silently_run_without_overlap(nemo, tmp_p
     ok = nemo.module.AutotuneCommOverlapCallback(tp_comm_overlap=True)
     ok.setup(trainer(tmp_path), None, "fit")
     assert ok.setup_calls == ["fit"]
+    no_te = trainer(tmp_path)
+    no_te.te_missing = True
+    with pytest.raises(ValueError, match="NeMo switched tensor-parallel overlap off"):
+        nemo.module.AutotuneCommOverlapCallback(tp_comm_overlap=True).setup(no_te, None, "fit")
 
 
 def test_tunes_inside_the_first_training_step_only(nemo, tmp_path, monkeypatch):
@@ -132,8 +140,8 @@ def test_tune_runs_the_megatron_machinery_through_nemos_forward_step(nemo, tmp_p
         @staticmethod
         def from_forward_step(module, step_type):
             return ("forward", module, step_type)
+        from_data_step = staticmethod(lambda module, step_type: None)  # the module has none: NeMo's default
         from_loss_reduction = staticmethod(lambda module, step_type: ("loss", module, step_type))
-        from_data_step = staticmethod(lambda module, step_type: ("data", module, step_type))
 
     class MegatronStep:
         @classmethod
@@ -154,7 +162,7 @@ def test_tune_runs_the_megatron_machinery_through_nemos_forward_step(nemo, tmp_p
             return ["replayed", it]
 
     class MegatronParallel(list):  # a ModuleList of model chunks with NeMo's step plumbing
-        config, module = gpt_config(), "lightning module"
+        config, module, data_step = gpt_config(), "lightning module", "default data step"
 
         def wrapped_forward_step(self, forward_step, loss_reduction, data_step, context):
             seen["parts"] = (forward_step, loss_reduction, data_step)
@@ -175,7 +183,7 @@ def test_tune_runs_the_megatron_machinery_through_nemos_forward_step(nemo, tmp_p
     assert seen["fwd"] == "megatron-style forward_step_func" and seen["model"] == ["chunk0", "chunk1"]
     assert seen["optimizer"] == "optimizer" and seen["context"]["step"] == ("step", False, 1, 8192, 4)
     assert seen["parts"] == (("forward", "lightning module", "training"), ("loss", "lightning module", "training"),
-                             ("data", "lightning module", "training"))
+                             "default data step")
     a = seen["args"]
     assert mlm.check_arguments(a) == [] and a.tp_comm_bootstrap_backend == "mpi" and a.micro_batch_size == 1
     assert a.tp_comm_overlap_autotune_output == str(tmp_path / "tp_comm_overlap_tuned.yaml")

@@ -27,6 +27,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import nemo.collections.llm  # noqa: F401  # first: NeMo's callback module imports recipes that import it back
 from nemo.lightning.pytorch.callbacks.megatron_comm_overlap import MegatronCommOverlapCallback
 
 from . import megatron as mlm
@@ -90,6 +91,10 @@ class AutotuneCommOverlapCallback(MegatronCommOverlapCallback):
             if p:
                 raise ValueError("megatron-tp-overlap: cannot autotune this run:\n" + "\n".join(f"  - {x}" for x in p))
         super().setup(trainer, pl_module, stage)
+        config = getattr(trainer.model, "config", None)
+        if self.autotune and stage == "fit" and config is not None and not getattr(config, "tp_comm_overlap", False):
+            raise ValueError("megatron-tp-overlap: NeMo switched tensor-parallel overlap off for this run (its warning "
+                             "says why, e.g. Transformer Engine not found); tp_comm_overlap_autotune needs it on")
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         """Userbuffers are up (``on_fit_start``): tune inside the first training step."""
@@ -129,11 +134,12 @@ class AutotuneCommOverlapCallback(MegatronCommOverlapCallback):
         if problems:
             raise SystemExit("megatron-tp-overlap: cannot autotune this NeMo run:\n" + "\n".join(f"  - {p}" for p in problems))
 
-        context: dict[str, Any] = {}  # as MegatronParallel.forward builds it
+        # MegatronParallel._step + forward for a training step: the module's own step functions, else the defaults
+        context: dict[str, Any] = {}
         forward_step_func = mp.wrapped_forward_step(
-            forward_step=_ModuleStepFunction.from_forward_step(mp.module, "training"),
-            loss_reduction=_ModuleStepFunction.from_loss_reduction(mp.module, "training"),
-            data_step=_ModuleStepFunction.from_data_step(mp.module, "training"),
+            forward_step=_ModuleStepFunction.from_forward_step(mp.module, "training") or mp.forward_step,
+            loss_reduction=_ModuleStepFunction.from_loss_reduction(mp.module, "training") or mp.loss_reduction,
+            data_step=_ModuleStepFunction.from_data_step(mp.module, "training") or mp.data_step,
             context=context)
         context["step"] = MegatronStep.infer(mp, None, forward_step_func, forward_only=False,
                                              micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
