@@ -8,7 +8,7 @@ layers), mock data, ``NullTokenizer``, and ``megatron.bridge.training.pretrain.p
 ``forward_step``. The only change from a plain Bridge run is ``cfg.comm_overlap``: our
 ``AutotuneCommOverlapConfig`` instead of Bridge's ``CommOverlapConfig``; Hydra-style overrides given after
 ``--`` go through Bridge's own override parser, e.g. ``-- comm_overlap.tp_comm_overlap_autotune_seconds=20``.
-Per-iteration losses are written to DIR/losses.rank{R} by the last rank (Bridge logs there).
+Bridge logs iteration times and losses itself; the tuned YAML and report go to DIR.
 """
 from __future__ import annotations
 

@@ -84,9 +84,9 @@ def main() -> None:
     import transformer_engine.pytorch as te
     from transformer_engine.pytorch.module import base as te_base
 
-    from megatron_tp_overlap.numerics import Fingerprint
     from megatron_tp_overlap.presets import closest_preset, get_preset
     from megatron_tp_overlap.report import write_report, yaml_header
+    from megatron_tp_overlap.layer_bench import step_and_fingerprint
     from megatron_tp_overlap.search import SearchOptions
     from megatron_tp_overlap.space import TuningConfig, all_off, build_space
     from megatron_tp_overlap.tuner import Autotuner, rank0_print as log
@@ -117,21 +117,7 @@ def main() -> None:
     x = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
     dy = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=g)
 
-    def step() -> None:  # keeps no output: the graph (and its communicators) dies here
-        model(x).backward(dy)
-
-    fp = Fingerprint()
-
-    def fingerprint() -> torch.Tensor:  # outputs, input grad and every weight grad of one step
-        model.zero_grad(set_to_none=True)
-        x.grad = None
-        y = model(x)
-        y.backward(dy)
-        out = fp([y, x.grad, *(p.grad for p in model.parameters())])
-        del y
-        x.grad = None
-        model.zero_grad(set_to_none=True)
-        return out
+    step, fingerprint = step_and_fingerprint(model, x, dy)
 
     opts = SearchOptions(strategy=args.strategy, max_seconds=args.budget_s, max_steps=args.budget_steps)
     tuner = Autotuner(model, step, init_args, options=opts, verify_fn=fingerprint, verify_rtol=args.rtol)

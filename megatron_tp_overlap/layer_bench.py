@@ -41,6 +41,29 @@ class LayerStack:
     fingerprint: Callable[[], Any]  # numerics.Fingerprint of outputs and all gradients of one step
 
 
+def step_and_fingerprint(model: Any, x: Any, dy: Any) -> tuple[Callable[[], None], Callable[[], Any]]:
+    """The tuner's trial step (fwd+bwd of ``x`` with output grad ``dy``, keeping nothing: the graph and its
+    communicators die with it) and its numerics fingerprint (output, input grad and every weight grad of one step)."""
+    from .numerics import Fingerprint
+    fp = Fingerprint()
+
+    def step() -> None:
+        model(x).backward(dy)
+
+    def fingerprint() -> Any:
+        model.zero_grad(set_to_none=True)
+        x.grad = None
+        y = model(x)
+        y.backward(dy)
+        f = fp([y, x.grad, *(p.grad for p in model.parameters())])
+        del y
+        x.grad = None
+        model.zero_grad(set_to_none=True)
+        return f
+
+    return step, fingerprint
+
+
 def build_stack(d: Any, layers: int, seq: int, mbs: int, overlap: bool, seed: int = 1234) -> LayerStack:
     """``layers`` x ``te.TransformerLayer`` with the dims of ``d`` (models.ModelDims), sequence
     parallel over the world group, userbuffers initialized (TE defaults) when ``overlap``."""
@@ -49,7 +72,6 @@ def build_stack(d: Any, layers: int, seq: int, mbs: int, overlap: bool, seed: in
     import transformer_engine.pytorch as te
     from transformer_engine.pytorch.module import base as te_base
 
-    from .numerics import Fingerprint
     from .ub_runtime import capture_initialize_ub
 
     tp, rank = dist.get_world_size(), dist.get_rank()
@@ -72,21 +94,7 @@ def build_stack(d: Any, layers: int, seq: int, mbs: int, overlap: bool, seed: in
     shape = (seq // tp, mbs, d.hidden)
     x = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
     dy = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=g)
-    fp = Fingerprint()
-
-    def step() -> None:
-        model(x).backward(dy)
-
-    def fingerprint() -> Any:
-        model.zero_grad(set_to_none=True)
-        x.grad = None
-        y = model(x)
-        y.backward(dy)
-        f = fp([y, x.grad, *(p.grad for p in model.parameters())])
-        del y
-        model.zero_grad(set_to_none=True)
-        return f
-
+    step, fingerprint = step_and_fingerprint(model, x, dy)
     return LayerStack(model, init, step, fingerprint)
 
 

@@ -172,3 +172,22 @@ def test_concurrent_writers_of_one_output_yaml_leave_a_valid_file(tmp_path):
     for f in (path, path.with_name(path.name + ".bak")):
         assert load_yaml(f).get("fc2_fprop").method == "pipeline"  # whole files only, never half of one
     assert not [f for f in tmp_path.iterdir() if f.name not in ("tuned.yaml", "tuned.yaml.bak")]  # no temp files left
+
+
+def test_step_and_fingerprint_leave_no_gradients_and_repeat_exactly():
+    """The trial step/fingerprint pair the layer benchmarks and engine_tune share (CPU, a tiny model)."""
+    import torch
+    from megatron_tp_overlap.layer_bench import step_and_fingerprint
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
+    x = torch.randn(4, 8, requires_grad=True)
+    dy = torch.randn(4, 8)
+    step, fingerprint = step_and_fingerprint(model, x, dy)
+    a = fingerprint()
+    assert x.grad is None and all(p.grad is None for p in model.parameters())
+    step()  # accumulates gradients; the fingerprint must not depend on them
+    b = fingerprint()
+    assert torch.equal(torch.as_tensor(a), torch.as_tensor(b))
+    with torch.no_grad():
+        model[0].weight.add_(1e-2)
+    assert not torch.equal(torch.as_tensor(a), torch.as_tensor(fingerprint()))

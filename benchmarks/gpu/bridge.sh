@@ -19,6 +19,6 @@ for run in ${RUNS:-auto default}; do
       > "$R/bridge_$run.log" 2>&1; echo "rc=$?"
 done
 el done
-for run in auto default; do echo "== $run"; grep -h "Traceback\|Error\|bridge run:\|tp-overlap-autotune\]" "$R/bridge_$run.log" | head -12
+for run in ${RUNS:-auto default}; do echo "== $run"; grep -h "Traceback\|Error\|bridge run:\|tp-overlap-autotune\]" "$R/bridge_$run.log" | head -12
   grep -h "iteration *[0-9]*/" "$R/bridge_$run.log" | tail -3; done
 tar czf "$O/bridge.tgz" -C "$R" .

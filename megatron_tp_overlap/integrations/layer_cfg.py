@@ -17,8 +17,8 @@ Nothing here imports NeMo or Megatron-Bridge: pass their classes (``classes=``) 
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, Problem

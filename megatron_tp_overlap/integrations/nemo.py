@@ -20,7 +20,8 @@ The tuned config is applied, written as a YAML plus report, and kept as this cal
 Written against NeMo 2.7 (``nemo.lightning``), the last NeMo with the NeMo 2 LLM stack. NeMo 2.7 does not
 import with megatron-core 0.19 (its GPT model imports
 ``megatron.core.inference.model_inference_wrappers.inference_wrapper_config``, gone in 0.19), so this
-module has been run on CPU against stand-ins only; see the README.
+module has not run on a GPU: it is tested on CPU against stand-ins and against NeMo 2.7.3's real classes
+(with megatron-core 0.16, `tests/test_nemo_real.py`); see the README.
 """
 from __future__ import annotations
 
