@@ -65,7 +65,7 @@ def _sweep(a: argparse.Namespace) -> int:
     from .sweep import run_sweep
     try:
         report = run_sweep(a.model, a.max_tp_size, a.max_token_len, a.operators, a.layers, Path(a.out), a.tol,
-                           a.profile, a.budget_s)
+                           a.profile, a.budget_s, a.dgrad_mode)
     except ValueError as e:
         print(f"sweep: {e}", file=sys.stderr)
         return 1
@@ -73,11 +73,8 @@ def _sweep(a: argparse.Namespace) -> int:
     return 0 if report else 1
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["bench"]:  # its own parser; it starts torchrun itself when not under it
-        from .bench import main as bench_main
-        return bench_main(argv[1:])
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of every subcommand but ``bench`` (which has its own parser)."""
     p = argparse.ArgumentParser(prog="megatron-tp-overlap", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("bench", help="AG+GEMM / GEMM+RS kernels: every overlap backend vs the bound (see bench --help)")
@@ -103,9 +100,20 @@ def main(argv: list[str] | None = None) -> int:
     sw.add_argument("--tol", type=float, default=0.2, help="TP=n is efficient if time <= time(1)/n x (1 + tol)")
     sw.add_argument("--budget-s", type=float, default=60.0, help="tuning budget per TP size")
     sw.add_argument("--profile", action="store_true", help="torch-profiler traces and overlap ratios")
+    sw.add_argument("--dgrad-mode", default="any", choices=["any", "bulk", "reduce-scatter"],
+                    help="qkv/fc1 dgrad overlap: 'any' may mix bulk and reduce-scatter, which one Megatron-LM run "
+                         "cannot (it sets both with --tp-comm-overlap-rs-dgrad); pick one for a YAML it can use")
     sw.add_argument("--out", default="sweep_out")
     sw.set_defaults(fn=_sweep)
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:  # its own parser; it starts torchrun itself when not under it
+        from .bench import main as bench_main
+        return bench_main(argv[1:])
+    a = build_parser().parse_args(argv)
     return a.fn(a)
 
 

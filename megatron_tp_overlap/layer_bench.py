@@ -28,6 +28,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=60.0)
     p.add_argument("--timing-steps", type=int, default=20)
     p.add_argument("--timing-rounds", type=int, default=5, help="interleaved rounds of --timing-steps per config")
+    p.add_argument("--dgrad-mode", default="any", choices=["any", "bulk", "reduce-scatter"],
+                   help="qkv/fc1 dgrad overlap: bulk or reduce-scatter only (what one Megatron-LM run can use), or any")
     p.add_argument("--profile", action="store_true", help="also write a torch-profiler trace of the tuned config")
     p.add_argument("--out", required=True)
     return p.parse_args(argv)
@@ -107,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     from .measure import compare_configs, median_cuda_ms
     from .models import load_model_dims
     from .search import SearchOptions
-    from .space import SpaceSpec, TuningConfig, all_off
+    from .space import TuningConfig, all_off, space_spec_for_dgrad_mode
     from .tuner import Autotuner
     from .ub_config import UbConfig
 
@@ -123,12 +125,14 @@ def main(argv: list[str] | None = None) -> None:
     model, init, step, fingerprint = stack.model, stack.init, stack.step, stack.fingerprint
 
     result: dict[str, Any] = {"tp": tp, "model": a.model, "dims": d.__dict__, "layers": a.layers, "tokens": a.tokens,
+                              "dgrad_mode": a.dgrad_mode,
                               "gpu": torch.cuda.get_device_name()}
     if not overlap:
         result["step_ms"] = {"no overlap": median_cuda_ms(step, a.timing_steps)}
     else:
         keep = {f"{op}_{ph}" for op in a.operators for ph in ("fprop", "dgrad", "wgrad")}
-        tuner = Autotuner(model, step, init, options=SearchOptions(max_seconds=a.budget_s), space_spec=SpaceSpec(),
+        tuner = Autotuner(model, step, init, options=SearchOptions(max_seconds=a.budget_s),
+                          space_spec=space_spec_for_dgrad_mode(a.dgrad_mode),
                           verify_fn=fingerprint, gemms=keep)
         res = tuner.tune()
         if rank == 0:

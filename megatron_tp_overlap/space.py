@@ -103,6 +103,19 @@ class SpaceSpec:
     include_bulk_dgrad: bool = True
 
 
+# ``--dgrad-mode`` of the sweep and the layer bench -> (include_rs_dgrad, include_bulk_dgrad). Megatron-LM runs
+# qkv and fc1 dgrad in one mode for the whole model, so "any" can choose a mix only TE itself can run.
+DGRAD_MODES: dict[str, tuple[bool, bool]] = {"any": (True, True), "bulk": (False, True), "reduce-scatter": (True, False)}
+
+
+def space_spec_for_dgrad_mode(mode: str) -> SpaceSpec:
+    """The search space that keeps qkv/fc1 dgrad to ``mode`` (a key of :data:`DGRAD_MODES`)."""
+    if mode not in DGRAD_MODES:
+        raise ValueError(f"dgrad mode must be one of {', '.join(DGRAD_MODES)}, got {mode!r}")
+    rs, bulk = DGRAD_MODES[mode]
+    return SpaceSpec(include_rs_dgrad=rs, include_bulk_dgrad=bulk)
+
+
 def allows_dgrad_mode(spec: SpaceSpec, ub: UbConfig, gemm: str) -> bool:
     """Whether ``ub`` runs ``gemm`` (qkv_dgrad / fc1_dgrad) in a dgrad mode ``spec`` allows."""
     if gemm not in BULK_DGRAD_GEMMS:

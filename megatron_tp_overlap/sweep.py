@@ -59,7 +59,9 @@ def write_outputs(results: dict[int, dict[str, Any]], out: Path, tol: float = 0.
         note = "TP=1: no tensor-parallel communication, nothing to overlap" if tp == 1 else f"tuned at TP={tp}"
         if tp > 1:
             flags, problem = flags_for(cfg, path.name)
-            usage[tp] = f"Megatron-LM: {' '.join(flags)}" + (f"  WARNING: {problem}" if problem else "")
+            usage[tp] = f"Megatron-LM: {' '.join(flags)}" + (
+                f"  WARNING: {problem}; sweep with --dgrad-mode bulk or --dgrad-mode reduce-scatter for a config "
+                "Megatron-LM can run" if problem else "")
             note += f"\n{usage[tp]}"
         atomic_write_text(path, dumps_yaml(cfg, header=note))
     best = results[recommended]
@@ -118,7 +120,7 @@ def visible_devices(env: dict) -> list[str]:
 
 
 def run_sweep(model: str, max_tp: int, tokens: int, operators: list[str], layers: int, out: Path, tol: float,
-              profile: bool, budget_s: float) -> dict[str, Any]:
+              profile: bool, budget_s: float, dgrad_mode: str = "any") -> dict[str, Any]:
     import torch
 
     from .models import load_model_dims
@@ -131,7 +133,7 @@ def run_sweep(model: str, max_tp: int, tokens: int, operators: list[str], layers
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}", "-m",
                "megatron_tp_overlap.layer_bench",
                "--model", model, "--layers", str(layers), "--tokens", str(tokens), "--operators", *operators,
-               "--budget-s", str(budget_s), "--out", str(out)] + (["--profile"] if profile and tp > 1 else [])
+               "--budget-s", str(budget_s), "--dgrad-mode", dgrad_mode, "--out", str(out)] + (["--profile"] if profile and tp > 1 else [])
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(visible_devices(os.environ)[:tp])}
         print(f"[sweep] TP={tp}: {' '.join(cmd)}", flush=True)
         subprocess.run(cmd, env=env, check=True)

@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 import fakes
@@ -112,3 +113,14 @@ def test_dgrad_mode_can_be_fixed_by_the_run_flags():
     for g in ("qkv_dgrad", "fc1_dgrad"):
         assert bulk_only[g] and not any(rs(o) for o in bulk_only[g])
         assert rs_only[g] and all(rs(o) for o in rs_only[g] if o.enabled)
+
+
+def test_dgrad_mode_option_names_the_spaces_megatron_can_run():
+    from megatron_tp_overlap.space import DGRAD_MODES, space_spec_for_dgrad_mode
+    assert space_spec_for_dgrad_mode("any") == SpaceSpec()
+    bulk, rs = space_spec_for_dgrad_mode("bulk"), space_spec_for_dgrad_mode("reduce-scatter")
+    assert (bulk.include_rs_dgrad, bulk.include_bulk_dgrad) == (False, True)
+    assert (rs.include_rs_dgrad, rs.include_bulk_dgrad) == (True, False)
+    with pytest.raises(ValueError, match="dgrad mode must be one of any, bulk, reduce-scatter"):
+        space_spec_for_dgrad_mode("rs")
+    assert set(DGRAD_MODES) == {"any", "bulk", "reduce-scatter"}

@@ -61,7 +61,8 @@ def test_outputs_say_which_megatron_flags_reproduce_the_config(tmp_path):
     write_outputs(res, tmp_path)
     header = (tmp_path / "optimal_tp_comm_overlap_cfg.yaml").read_text()
     assert "--tp-comm-overlap-cfg optimal_tp_comm_overlap_cfg.yaml" in header and "WARNING" in header
-    assert "needs both modes" in (tmp_path / "summary.txt").read_text()
+    summary = (tmp_path / "summary.txt").read_text()
+    assert "needs both modes" in summary and "sweep with --dgrad-mode bulk or --dgrad-mode reduce-scatter" in summary
 
 
 def test_megatron_flags_for_a_config():
@@ -72,3 +73,41 @@ def test_megatron_flags_for_a_config():
     assert flags_for(both, "t.yaml")[0][-1] == "--tp-comm-overlap-rs-dgrad" and flags_for(both, "t.yaml")[1] is None
     flags, problem = flags_for(parse_ub_cfgs({"fc1_dgrad": {"method": "ring_exchange"}}), "t.yaml")
     assert "--tp-comm-overlap-rs-dgrad" not in flags and "qkv_dgrad bulk" in problem and "fc1_dgrad reduce-scatter" in problem
+
+
+def test_sweep_passes_the_dgrad_mode_to_every_tp_size(tmp_path, monkeypatch):
+    """The layer_bench commands the sweep starts, with a fake torchrun writing each TP size's result."""
+    import subprocess
+
+    import torch
+
+    from megatron_tp_overlap import sweep
+    from megatron_tp_overlap.cli import build_parser
+    commands = []
+
+    def fake_run(cmd, env, check):
+        commands.append((cmd, env["CUDA_VISIBLE_DEVICES"]))
+        tp = int(next(c for c in cmd if c.startswith("--nproc-per-node=")).split("=")[1])
+        (tmp_path / f"tp{tp}.json").write_text(json.dumps(result(tp, 40.0 / tp, 40.0 / tp, 41.0 / tp)))
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    a = build_parser().parse_args(["sweep", "--model", "Qwen/Qwen3-8B", "--max-tp-size", "2", "--dgrad-mode", "bulk",
+                                   "--out", str(tmp_path)])
+    sweep.run_sweep(a.model, a.max_tp_size, a.max_token_len, a.operators, a.layers, tmp_path, a.tol, a.profile,
+                    a.budget_s, a.dgrad_mode)
+    assert [c[1] for c in commands] == ["0", "0,1"]
+    for cmd, _ in commands:
+        assert cmd[cmd.index("--dgrad-mode") + 1] == "bulk" and "megatron_tp_overlap.layer_bench" in cmd
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["sweep", "--model", "Qwen/Qwen3-8B", "--dgrad-mode", "rs"])
+
+
+def test_layer_bench_takes_the_dgrad_mode():
+    from megatron_tp_overlap.layer_bench import parse_args
+    assert parse_args(["--model", "m", "--out", "o"]).dgrad_mode == "any"
+    assert parse_args(["--model", "m", "--out", "o", "--dgrad-mode", "reduce-scatter"]).dgrad_mode == "reduce-scatter"
+    with pytest.raises(SystemExit):
+        parse_args(["--model", "m", "--out", "o", "--dgrad-mode", "both"])
