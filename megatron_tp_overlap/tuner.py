@@ -19,9 +19,9 @@ from .numerics import rel_diff
 from .presets import PRESETS
 from .report import build_report, render_summary, summary_rows
 from .search import Measurement, SearchOptions, SearchResult, Searcher, Trial, TrialFailed
-from .space import SpaceSpec, TuningConfig, all_off, allows_dgrad_mode, build_space, is_valid
+from .space import Option, SpaceSpec, TuningConfig, all_off, allows_dgrad_mode, apply, build_space, is_valid
 from .topology import OverlapModule, Topology, build_topology, find_overlap_modules
-from .ub_config import UbConfig
+from .ub_config import BULK_DGRAD_GEMMS, UbConfig
 from .ub_runtime import UbInitArgs, UbSwitcher
 from .validation import ValidationContext, check
 
@@ -211,6 +211,18 @@ class Autotuner:
         tol = self.tolerance()
         return None if err <= tol else f"rel. error {err:.2e} > {tol:.2g} vs no overlap"
 
+    def in_dgrad_mode(self, ub: UbConfig, space: dict[str, list[Option]]) -> UbConfig:
+        """``ub`` with each active qkv/fc1 dgrad that runs in a mode ``space_spec`` excludes set to the first
+        option the space has for it (priors come first: a preset's setting). E.g. TE's default (bulk dgrad)
+        under a reduce-scatter dgrad search, which would otherwise stay in the result as the incumbent."""
+        cfg = TuningConfig(ub)
+        for g in BULK_DGRAD_GEMMS:
+            if g in self.topology.active and not allows_dgrad_mode(self.space_spec, cfg.ub, g):
+                first = next((o for o in space.get(g, []) if o.enabled), None)
+                if first is not None:
+                    cfg = apply(cfg, first, self.topology)
+        return cfg.ub
+
     def _whole_config_priors(self) -> dict[str, TuningConfig]:
         """The NeMo preset a user would copy for this shape, as a whole-config contender in the final
         confirmation: a per-GEMM search can miss a combination that wins as a whole, and the result
@@ -235,11 +247,19 @@ class Autotuner:
         space = build_space(self.topology, self.ctx, [self.reference, *priors], self.space_spec)
         if self.gemms is not None:
             space = {g: v for g, v in space.items() if g in self.gemms}
+        given = self.reference
+        self.reference = self.in_dgrad_mode(given, space)
+        if self.reference != given:
+            self.log("[tp-overlap-autotune] the reference config runs qkv/fc1 dgrad in a mode this search excludes; "
+                     f"starting from: {self.reference.describe()}")
         reference = TuningConfig(self.reference, frozenset(), "reference")
         baselines = {"no overlap": all_off(self.topology, reference)}
         if len(self.reference):
             baselines["TE default"] = TuningConfig(UbConfig(), frozenset(), "TE default")
         baselines.update(self._whole_config_priors())
+        # measured for the report, never chosen: a config the run's dgrad mode cannot express
+        outside_mode = {n for n, c in baselines.items()
+                        if any(not allows_dgrad_mode(self.space_spec, c.ub, g) for g in self.topology.active)}
         n_opts = sum(len(v) for v in space.values())
         self.log(f"[tp-overlap-autotune] {len(self.modules)} overlap modules, slots: "
                  + ", ".join(f"{s}({len(g)})" for s, g in self.topology.slots().items())
@@ -247,8 +267,7 @@ class Autotuner:
                  f"budget {self.options.max_steps} steps / {self.options.max_seconds:.0f} s")
         searcher = Searcher(self.topology, space, self.evaluate, self.ctx, self.options, self.progress,
                             verify=self.verify if self.verify_fn is not None else None)
-        if not self.allow_overlap_off:
-            searcher.report_only = frozenset({"no overlap"})
+        searcher.report_only = frozenset(outside_mode | (set() if self.allow_overlap_off else {"no overlap"}))
         result = searcher.run(reference, baselines)
         self.switcher.apply(result.best)
         wall = time.perf_counter() - t0

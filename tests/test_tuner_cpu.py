@@ -169,3 +169,24 @@ def test_the_closest_preset_is_a_whole_config_contender(fake_te):
     spec = SpaceSpec(include_rs_dgrad=not rs_dgrad, include_bulk_dgrad=rs_dgrad)
     assert make_tuner(space_spec=spec)[0]._whole_config_priors() == {}
     assert make_tuner(gemms={"fc2_fprop"})[0]._whole_config_priors() == {}
+
+
+def test_a_reference_outside_the_dgrad_mode_is_moved_into_it(fake_te):
+    """TE's default runs qkv/fc1 dgrad as bulk all-gathers; a reduce-scatter dgrad search (Megatron's
+    --tp-comm-overlap-rs-dgrad, `sweep --dgrad-mode reduce-scatter`) must not return it, even unbeaten."""
+    from megatron_tp_overlap.space import SpaceSpec
+    logs = []
+    tuner, _ = make_tuner(space_spec=SpaceSpec(include_bulk_dgrad=False, include_off=False), allow_overlap_off=False,
+                          options=SearchOptions(max_seconds=60, max_steps=300))
+    tuner.log = logs.append
+    active = [g for g in ("qkv_dgrad", "fc1_dgrad") if g in tuner.topology.active]
+    assert active
+    res = tuner.tune()
+    for g in active:
+        assert res.best.ub.dgrad_is_reduce_scatter(g) and g not in res.best.disabled, (g, res.best.ub.get(g))
+    assert any("in a mode this search excludes" in m for m in logs)
+    te_default = next(c for c in res.search.contenders if c.name == "TE default")
+    assert te_default.samples and res.search.best_name != "TE default"  # timed for the report, never chosen
+    # a reference already in the mode is left as it is
+    bulk_only = make_tuner(space_spec=SpaceSpec(include_rs_dgrad=False))[0]
+    assert bulk_only.in_dgrad_mode(UbConfig(), {}) == UbConfig()
