@@ -47,6 +47,19 @@ def tp_step_ms(result: dict[str, Any]) -> float:
     return t.get("tuned", t.get("no overlap"))
 
 
+def te_default_note(tp: int, result: dict[str, Any]) -> str | None:
+    """A line when TE's default measured faster than the tuned config: only possible when the search had to
+    leave it out (its bulk qkv/fc1 dgrad is outside ``--dgrad-mode reduce-scatter``)."""
+    t = result["step_ms"]
+    te, tuned = t.get("TE default"), t.get("tuned")
+    if te is None or tuned is None or te >= tuned:
+        return None
+    why = ("it runs qkv/fc1 dgrad as bulk all-gathers, outside --dgrad-mode reduce-scatter: sweep with "
+           "--dgrad-mode bulk for this TP size" if result.get("dgrad_mode") == "reduce-scatter"
+           else "within the measurement's noise")
+    return f"TP={tp}: TE default measured faster than the tuned config ({te:.3f} vs {tuned:.3f} ms): {why}"
+
+
 def write_outputs(results: dict[int, dict[str, Any]], out: Path, tol: float = 0.2,
                   overlap: dict[int, Any] | None = None) -> dict[str, Any]:
     """All sweep outputs from per-TP results (``layer_bench``'s tp{N}.json contents)."""
@@ -84,6 +97,7 @@ def write_outputs(results: dict[int, dict[str, Any]], out: Path, tol: float = 0.
         lines.append(f"| {v.tp} | {v.time_ms:.3f} | {v.ideal_ms:.3f} | {v.efficiency:.0%} | {fmt(s.get('TE default'))} | "
                      f"{fmt(s.get('no overlap'))} | {v.reason} |")
     lines += ["", *(f"TP={tp}: {u}" for tp, u in sorted(usage.items()))]
+    lines += [n for n in (te_default_note(tp, r) for tp, r in sorted(results.items())) if n]
     if overlap:
         lines += ["", "Overlap ratio (overlap / min(GEMM, comm), from traces; explanation only, not a score):"]
         lines += [f"  TP={tp}: {o}" for tp, o in sorted(overlap.items())]

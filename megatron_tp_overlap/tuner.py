@@ -213,14 +213,25 @@ class Autotuner:
 
     def in_dgrad_mode(self, ub: UbConfig, space: dict[str, list[Option]]) -> UbConfig:
         """``ub`` with each active qkv/fc1 dgrad that runs in a mode ``space_spec`` excludes set to the first
-        option the space has for it (priors come first: a preset's setting). E.g. TE's default (bulk dgrad)
-        under a reduce-scatter dgrad search, which would otherwise stay in the result as the incumbent."""
+        option of the space for it (priors first: a preset's setting) that passes the numerics check. E.g. TE's
+        default (bulk dgrad) under a reduce-scatter dgrad search, which would otherwise stay in the result as
+        the incumbent, unverified: the reference is never checked against itself."""
         cfg = TuningConfig(ub)
         for g in BULK_DGRAD_GEMMS:
-            if g in self.topology.active and not allows_dgrad_mode(self.space_spec, cfg.ub, g):
-                first = next((o for o in space.get(g, []) if o.enabled), None)
-                if first is not None:
-                    cfg = apply(cfg, first, self.topology)
+            if g not in self.topology.active or allows_dgrad_mode(self.space_spec, cfg.ub, g):
+                continue
+            for opt in (o for o in space.get(g, []) if o.enabled):
+                candidate = apply(cfg, opt, self.topology)
+                # the new reference is this tuner's choice, not the user's: it must compute what no overlap does
+                # (checked against the given reference's calibration: a wrong one must not widen the tolerance)
+                why = self.verify(candidate) if self.verify_fn is not None else None
+                if why is None:
+                    cfg = candidate
+                    break
+                self.log(f"[tp-overlap-autotune] {g}: {opt.label} left out as the starting point: {why}")
+            else:
+                self.log(f"[tp-overlap-autotune] WARNING no {g} setting in this dgrad mode passed the numerics "
+                         "check; keeping the reference's")
         return cfg.ub
 
     def _whole_config_priors(self) -> dict[str, TuningConfig]:

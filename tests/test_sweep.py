@@ -111,3 +111,12 @@ def test_layer_bench_takes_the_dgrad_mode():
     assert parse_args(["--model", "m", "--out", "o", "--dgrad-mode", "reduce-scatter"]).dgrad_mode == "reduce-scatter"
     with pytest.raises(SystemExit):
         parse_args(["--model", "m", "--out", "o", "--dgrad-mode", "both"])
+
+
+def test_summary_says_when_te_default_outside_the_dgrad_mode_was_faster(tmp_path):
+    res = {1: result(1, 40.0), 2: result(2, 22.0, 23.0, 24.0), 4: result(4, 13.4, 13.2, 13.8)}
+    res[4]["dgrad_mode"] = "reduce-scatter"
+    write_outputs(res, tmp_path)
+    summary = (tmp_path / "summary.txt").read_text()
+    assert "TP=4: TE default measured faster than the tuned config (13.200 vs 13.400 ms)" in summary
+    assert "sweep with --dgrad-mode bulk" in summary and "TP=2: TE default measured" not in summary

@@ -190,3 +190,30 @@ def test_a_reference_outside_the_dgrad_mode_is_moved_into_it(fake_te):
     # a reference already in the mode is left as it is
     bulk_only = make_tuner(space_spec=SpaceSpec(include_rs_dgrad=False))[0]
     assert bulk_only.in_dgrad_mode(UbConfig(), {}) == UbConfig()
+
+
+def test_the_moved_reference_must_pass_the_numerics_check(fake_te):
+    """The first reduce-scatter qkv_dgrad option computes wrong gradients (as TE 2.20's pipeline dgrad did
+    on H200): the starting point skips it for the next one that matches no overlap."""
+    from megatron_tp_overlap.space import SpaceSpec, build_space
+    logs = []
+    spec = SpaceSpec(include_bulk_dgrad=False, include_off=False)
+    tuner, _ = make_tuner(space_spec=spec, allow_overlap_off=False)
+    tuner.log = logs.append
+    from megatron_tp_overlap.ub_config import parse_ub_cfgs
+    prior = parse_ub_cfgs({"qkv_dgrad": {"method": "pipeline", "num_sm": 16, "num_splits": 4, "cga_size": 2}})
+    space = build_space(tuner.topology, tuner.ctx, [prior], spec)  # a preset's pipeline dgrad, then the grid
+    first, second = [o for o in space["qkv_dgrad"] if o.enabled][:2]
+    assert first.cfg.method == "pipeline" and second.cfg.method == "ring_exchange"
+    good_fp = tuner.verify_fn
+
+    def fingerprint():
+        fp = good_fp()
+        live = fake_te.cfg.get("qkv_dgrad")
+        return fp * 3.0 if live is not None and live == first.cfg else fp
+
+    tuner.verify_fn = fingerprint
+    moved = tuner.in_dgrad_mode(UbConfig(), space)
+    assert moved.get("qkv_dgrad") == second.cfg and moved.dgrad_is_reduce_scatter("qkv_dgrad")
+    assert any(f"qkv_dgrad: {first.label} left out as the starting point" in m for m in logs)
+    assert tuner.numerics["reference config"] < 0.1  # calibrated on the given reference, not the wrong one
