@@ -227,7 +227,7 @@ class Autotuner:
         the incumbent, unverified: the reference is never checked against itself."""
         cfg = TuningConfig(ub)
         for g in BULK_DGRAD_GEMMS:
-            if g not in self.topology.active or allows_dgrad_mode(self.space_spec, cfg.ub, g):
+            if g not in space or allows_dgrad_mode(self.space_spec, cfg.ub, g):  # not tuned here, or in the mode
                 continue
             for opt in (o for o in space.get(g, []) if o.enabled):
                 candidate = apply(cfg, opt, self.topology)

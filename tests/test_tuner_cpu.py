@@ -221,6 +221,11 @@ def test_a_reference_outside_the_dgrad_mode_is_moved_into_it(fake_te):
     # a reference already in the mode is left as it is
     bulk_only = make_tuner(space_spec=SpaceSpec(include_rs_dgrad=False))[0]
     assert bulk_only.in_dgrad_mode(UbConfig(), {}) == UbConfig()
+    # a GEMM this tuner does not tune (gemms=...) keeps the reference's setting, without a warning
+    quiet = []
+    rs_subset = make_tuner(space_spec=SpaceSpec(include_bulk_dgrad=False), gemms={"fc2_fprop"})[0]
+    rs_subset.log = quiet.append
+    assert rs_subset.in_dgrad_mode(UbConfig(), {}) == UbConfig() and not quiet
 
 
 def test_the_moved_reference_must_pass_the_numerics_check(fake_te):
