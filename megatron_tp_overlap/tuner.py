@@ -220,6 +220,10 @@ class Autotuner:
         tol = self.tolerance()
         return None if err <= tol else f"rel. error {err:.2e} > {tol:.2g} vs no overlap"
 
+    def _outside_dgrad_mode(self, ub: UbConfig) -> bool:
+        """Whether ``ub`` runs an active qkv/fc1 dgrad in a mode ``space_spec`` excludes."""
+        return any(not allows_dgrad_mode(self.space_spec, ub, g) for g in self.topology.active)
+
     def in_dgrad_mode(self, ub: UbConfig, space: dict[str, list[Option]]) -> UbConfig:
         """``ub`` with each active qkv/fc1 dgrad that runs in a mode ``space_spec`` excludes set to the first
         option of the space for it (priors first: a preset's setting) that passes the numerics check. E.g. TE's
@@ -229,7 +233,7 @@ class Autotuner:
         for g in BULK_DGRAD_GEMMS:
             if g not in space or allows_dgrad_mode(self.space_spec, cfg.ub, g):  # not tuned here, or in the mode
                 continue
-            for opt in (o for o in space.get(g, []) if o.enabled):
+            for opt in (o for o in space[g] if o.enabled):
                 candidate = apply(cfg, opt, self.topology)
                 # the new reference is this tuner's choice, not the user's: it must compute what no overlap does
                 # (checked against the given reference's calibration: a wrong one must not widen the tolerance)
@@ -256,7 +260,7 @@ class Autotuner:
         cfg = TuningConfig(PRESETS[name], frozenset(), f"preset {name}")
         if cfg.ub == self.reference or not is_valid(cfg, self.ctx):
             return {}
-        if any(not allows_dgrad_mode(self.space_spec, cfg.ub, g) for g in self.topology.active):
+        if self._outside_dgrad_mode(cfg.ub):
             return {}
         return {cfg.label: cfg}
 
@@ -278,8 +282,7 @@ class Autotuner:
             baselines["TE default"] = TuningConfig(UbConfig(), frozenset(), "TE default")
         baselines.update(self._whole_config_priors())
         # measured for the report, never chosen: a config the run's dgrad mode cannot express
-        outside_mode = {n for n, c in baselines.items()
-                        if any(not allows_dgrad_mode(self.space_spec, c.ub, g) for g in self.topology.active)}
+        outside_mode = {n for n, c in baselines.items() if self._outside_dgrad_mode(c.ub)}
         n_opts = sum(len(v) for v in space.values())
         self.log(f"[tp-overlap-autotune] {len(self.modules)} overlap modules, slots: "
                  + ", ".join(f"{s}({len(g)})" for s, g in self.topology.slots().items())

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 6's remaining acceptance runs, then re-runs of what changed since the last GPU runs. One 4-GPU host,
-# ~9 minutes:
+# ~5 minutes (311 s on 2026-11-21):
 #   source .device/env.sh && bash .device/setup.sh && bash benchmarks/gpu/bench_seed_bf16.sh
 # 1. the seed shapes in bf16 (they ran in fp16 on 2026-11-21, where TE's userbuffers reduce-scatter is wrong by
 #    design), at TP=4 (all GPUs) and TP=2 (GPUs 0,1 alone), every backend;
