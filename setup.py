@@ -10,7 +10,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_tp_overlap", "megatron_tp_overlap.*"]),
-    package_data={"megatron_tp_overlap": ["conf/*.yaml", "conf/*/*.yaml", "model_configs/*/*/config.json"]},
+    package_data={"megatron_tp_overlap": ["app/conf/*.yaml", "app/conf/*/*.yaml", "model_configs/*/*/config.json"]},
     install_requires=[
         "torch>=2.4",
         "PyYAML>=6.0",
@@ -21,7 +21,7 @@ setup(
         "filelock>=3.12",
         "transformers>=4.40",
     ],
-    entry_points={"console_scripts": ["megatron-tp-overlap = megatron_tp_overlap.cli:main"]},
+    entry_points={"console_scripts": ["megatron-tp-overlap = megatron_tp_overlap.tools.cli:main"]},
     extras_require={
         "test": ["pytest>=7.4"],
         # Needs CUDA to build/run; installed on GPU nodes only.

@@ -9,6 +9,7 @@
 4. times no overlap / TE default / closest NeMo preset / autotuned, interleaved (median of
    --timing-steps steps per round, --timing-rounds rounds), and writes JSON + the tuned YAML.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,7 +41,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--timing-steps", type=int, default=20)
     p.add_argument("--timing-rounds", type=int, default=3)
     p.add_argument("--rtol", type=float, default=2e-2, help="bf16 tolerance, relative L2 norm")
-    p.add_argument("--check-flags", action="store_true", help="profile kernels to show each module flag switches its overlap")
+    p.add_argument(
+        "--check-flags", action="store_true", help="profile kernels to show each module flag switches its overlap"
+    )
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     return p.parse_args(argv)
 
@@ -48,6 +51,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def kernel_counts(step) -> dict[str, int]:
     """Kernels / copies of one step by family, from the torch profiler."""
     from torch.profiler import ProfilerActivity, profile
+
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
@@ -66,11 +70,17 @@ def kernel_counts(step) -> dict[str, int]:
 def flag_kernel_check(model, step, sw, topo, reference, no_overlap) -> dict:
     """Show that TE follows the module flags set between steps: for each GEMM switched off alone,
     the step's userbuffers kernels/copies drop and NCCL kernels appear."""
-    from megatron_tp_overlap.space import TuningConfig
+    from megatron_tp_overlap.engine.space import TuningConfig
+
     out = {}
     for name, cfg in [("all on (TE default)", reference), ("all off", no_overlap)] + [
-            (f"off: {','.join(sorted(topo.coupled(g) or {g}))}", TuningConfig(reference.ub, frozenset(topo.coupled(g) or {g})))
-            for g in sorted(topo.active) if topo.tunable(g)]:
+        (
+            f"off: {','.join(sorted(topo.coupled(g) or {g}))}",
+            TuningConfig(reference.ub, frozenset(topo.coupled(g) or {g})),
+        )
+        for g in sorted(topo.active)
+        if topo.tunable(g)
+    ]:
         sw.apply(cfg)
         step()
         out[name] = kernel_counts(step)
@@ -84,14 +94,15 @@ def main() -> None:
     import transformer_engine.pytorch as te
     from transformer_engine.pytorch.module import base as te_base
 
-    from megatron_tp_overlap.presets import closest_preset, get_preset
-    from megatron_tp_overlap.report import write_report, yaml_header
-    from megatron_tp_overlap.layer_bench import step_and_fingerprint
-    from megatron_tp_overlap.search import SearchOptions
-    from megatron_tp_overlap.space import TuningConfig, all_off, build_space
-    from megatron_tp_overlap.tuner import Autotuner, rank0_print as log
-    from megatron_tp_overlap.ub_config import UbConfig, dumps_yaml
-    from megatron_tp_overlap.ub_runtime import capture_initialize_ub
+    from megatron_tp_overlap.engine.report import write_report, yaml_header
+    from megatron_tp_overlap.engine.search import SearchOptions
+    from megatron_tp_overlap.engine.space import TuningConfig, all_off, build_space
+    from megatron_tp_overlap.engine.switcher import capture_initialize_ub
+    from megatron_tp_overlap.engine.tuner import Autotuner
+    from megatron_tp_overlap.engine.tuner import rank0_print as log
+    from megatron_tp_overlap.tools.layer_bench import step_and_fingerprint
+    from megatron_tp_overlap.ub.config import UbConfig, dumps_yaml
+    from megatron_tp_overlap.ub.presets import closest_preset, get_preset
 
     dist.init_process_group("nccl")
     rank, ws = dist.get_rank(), dist.get_world_size()
@@ -100,16 +111,39 @@ def main() -> None:
     torch.cuda.manual_seed(1234)
 
     with capture_initialize_ub() as calls:
-        te_base.initialize_ub(shape=[args.seq * args.mbs, args.hidden], tp_size=ws, dtype=torch.bfloat16,
-                      quantization_modes=[te_base.UserBufferQuantizationMode.NONE], ub_cfgs={}, bootstrap_backend="nccl")
+        te_base.initialize_ub(
+            shape=[args.seq * args.mbs, args.hidden],
+            tp_size=ws,
+            dtype=torch.bfloat16,
+            quantization_modes=[te_base.UserBufferQuantizationMode.NONE],
+            ub_cfgs={},
+            bootstrap_backend="nccl",
+        )
     init_args = calls[0]
 
-    layers = [te.TransformerLayer(
-        args.hidden, args.ffn, args.heads, num_gqa_groups=args.kv_groups, layer_number=i + 1,
-        hidden_dropout=0.0, attention_dropout=0.0, self_attn_mask_type="causal", attn_input_format="sbhd",
-        params_dtype=torch.bfloat16, sequence_parallel=True, tp_group=dist.group.WORLD, tp_size=ws,
-        set_parallel_mode=True, fuse_qkv_params=True, seq_length=args.seq, micro_batch_size=args.mbs,
-        ub_tp_comm_overlap=True) for i in range(args.layers)]
+    layers = [
+        te.TransformerLayer(
+            args.hidden,
+            args.ffn,
+            args.heads,
+            num_gqa_groups=args.kv_groups,
+            layer_number=i + 1,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            self_attn_mask_type="causal",
+            attn_input_format="sbhd",
+            params_dtype=torch.bfloat16,
+            sequence_parallel=True,
+            tp_group=dist.group.WORLD,
+            tp_size=ws,
+            set_parallel_mode=True,
+            fuse_qkv_params=True,
+            seq_length=args.seq,
+            micro_batch_size=args.mbs,
+            ub_tp_comm_overlap=True,
+        )
+        for i in range(args.layers)
+    ]
     model = torch.nn.Sequential(*layers).cuda()
 
     g = torch.Generator(device="cuda").manual_seed(42 + rank)
@@ -140,8 +174,11 @@ def main() -> None:
         x.grad = None
         y = model(x)
         y.backward(dy)
-        out = (y.detach().float().clone(), x.grad.detach().float().clone(),
-               {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None})
+        out = (
+            y.detach().float().clone(),
+            x.grad.detach().float().clone(),
+            {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None},
+        )
         del y
         x.grad = None
         model.zero_grad(set_to_none=True)
@@ -156,13 +193,19 @@ def main() -> None:
     def numerics(cfg: TuningConfig, ref) -> dict[str, float]:
         sw.apply(cfg)
         y, dx, grads = fwd_bwd()
-        return {"out": rel(y, ref[0]), "dgrad_input": rel(dx, ref[1]),
-                "wgrad_max": max(rel(grads[n], ref[2][n]) for n in ref[2])}
+        return {
+            "out": rel(y, ref[0]),
+            "dgrad_input": rel(dx, ref[1]),
+            "wgrad_max": max(rel(grads[n], ref[2][n]) for n in ref[2]),
+        }
 
     # Reference numerics: no overlap (all module flags off, same weights, same input).
     sw.apply(no_overlap)
     ref = fwd_bwd()
-    checks = [{"config": "no overlap (again)", **numerics(no_overlap, ref)}, {"config": "autotuned", **numerics(res.best, ref)}]
+    checks = [
+        {"config": "no overlap (again)", **numerics(no_overlap, ref)},
+        {"config": "autotuned", **numerics(res.best, ref)},
+    ]
 
     # 20+ more live switches in the same process, alternating distinct ub_cfgs, numerics after each.
     cycle = [reference, preset, res.best]
@@ -181,18 +224,26 @@ def main() -> None:
     extra_switches = sw.reinits - switches_before
     # The tuner's own numerics guard must have kept wrong configs out; the sweep above may include
     # such configs on purpose (the grid), so "passed" is judged on the configs a user can end up with.
-    chosen_checks = [c for c in checks if c["config"] in ("autotuned", "TE default", "no overlap (again)") or c["config"].startswith("preset")]
+    chosen_checks = [
+        c
+        for c in checks
+        if c["config"] in ("autotuned", "TE default", "no overlap (again)") or c["config"].startswith("preset")
+    ]
     worst = {k: max(c[k] for c in chosen_checks) for k in ("out", "dgrad_input", "wgrad_max")}
     numerics_ok = all(v <= args.rtol for v in worst.values())
     wrong = sorted({c["config"] for c in checks if max(c["out"], c["dgrad_input"], c["wgrad_max"]) > args.rtol})
-    log(f"{extra_switches} extra switches, {len(checks)} numerics checks vs no overlap: worst rel. error "
-        + ", ".join(f"{k} {v:.2e}" for k, v in worst.items()) + f" (tolerance {args.rtol}): {'PASSED' if numerics_ok else 'FAILED'}"
-        + (f"; configs of the sweep that compute wrong numbers: {wrong}" if wrong else ""))
+    log(
+        f"{extra_switches} extra switches, {len(checks)} numerics checks vs no overlap: worst rel. error "
+        + ", ".join(f"{k} {v:.2e}" for k, v in worst.items())
+        + f" (tolerance {args.rtol}): {'PASSED' if numerics_ok else 'FAILED'}"
+        + (f"; configs of the sweep that compute wrong numbers: {wrong}" if wrong else "")
+    )
 
     # The stale-communicator trap: an output whose graph went through backward keeps ub objects in its
     # autograd ctx. The switcher must refuse to switch (not corrupt the next config), then work once
     # the output is dropped.
     from megatron_tp_overlap.errors import StaleCommunicatorError
+
     sw.apply(reference)
     kept = model(x)
     kept.backward(dy)
@@ -206,8 +257,10 @@ def main() -> None:
     x.grad = None
     checks.append({"config": "after refused stale switch: " + preset.label, **numerics(preset, ref)})
     stale["numerics_after"] = checks[-1]
-    log(f"stale-communicator guard: switch with a live graph {'refused' if stale['refused'] else 'NOT refused'}; "
-        f"after dropping it: out {checks[-1]['out']:.2e}, dgrad {checks[-1]['dgrad_input']:.2e}")
+    log(
+        f"stale-communicator guard: switch with a live graph {'refused' if stale['refused'] else 'NOT refused'}; "
+        f"after dropping it: out {checks[-1]['out']:.2e}, dgrad {checks[-1]['dgrad_input']:.2e}"
+    )
 
     flags = None
     if args.check_flags:
@@ -224,7 +277,10 @@ def main() -> None:
             sw.apply(c)
             for _ in range(3):
                 step()
-            evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(args.timing_steps)]
+            evs = [
+                (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                for _ in range(args.timing_steps)
+            ]
             for s, e in evs:
                 s.record()
                 step()
@@ -240,29 +296,65 @@ def main() -> None:
 
     if rank == 0:
         os.makedirs(args.out, exist_ok=True)
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
-        meta = {"tp": ws, "gpu": torch.cuda.get_device_name(), "te": transformer_engine.__version__, "torch": torch.__version__,
-                "layers": args.layers, "hidden": args.hidden, "ffn": args.ffn, "heads": args.heads, "kv_groups": args.kv_groups,
-                "seq": args.seq, "mbs": args.mbs, "date": datetime.date.today().isoformat(), "commit": commit}
-        out = {"meta": meta, "tuning_wall_s": round(tune_wall, 2), "tuning_switches": res.switches,
-               "extra_switches": extra_switches, "reinit_s": [round(s, 3) for s in sw.reinit_seconds],
-               "numerics": {"rtol": args.rtol, "worst": worst, "passed": numerics_ok, "wrong_in_sweep": wrong, "checks": checks},
-               "flag_kernel_check": flags, "stale_guard": stale, "tuner_numerics_rel_error": res.report["meta"]["numerics_rel_error"],
-               "timing_ms": {"median": med, "rounds": times, "spread": spread},
-               "autotuned_vs_best_baseline_ms": round(med["autotuned"] - best_baseline, 4), "noise_ms": round(noise, 4),
-               "autotuned_le_best_baseline_within_noise": med["autotuned"] <= best_baseline + noise,
-               "chosen": res.best.to_dict(), "decision": res.report["decision"]}
+        commit = (
+            subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+            or "unknown"
+        )
+        meta = {
+            "tp": ws,
+            "gpu": torch.cuda.get_device_name(),
+            "te": transformer_engine.__version__,
+            "torch": torch.__version__,
+            "layers": args.layers,
+            "hidden": args.hidden,
+            "ffn": args.ffn,
+            "heads": args.heads,
+            "kv_groups": args.kv_groups,
+            "seq": args.seq,
+            "mbs": args.mbs,
+            "date": datetime.date.today().isoformat(),
+            "commit": commit,
+        }
+        out = {
+            "meta": meta,
+            "tuning_wall_s": round(tune_wall, 2),
+            "tuning_switches": res.switches,
+            "extra_switches": extra_switches,
+            "reinit_s": [round(s, 3) for s in sw.reinit_seconds],
+            "numerics": {
+                "rtol": args.rtol,
+                "worst": worst,
+                "passed": numerics_ok,
+                "wrong_in_sweep": wrong,
+                "checks": checks,
+            },
+            "flag_kernel_check": flags,
+            "stale_guard": stale,
+            "tuner_numerics_rel_error": res.report["meta"]["numerics_rel_error"],
+            "timing_ms": {"median": med, "rounds": times, "spread": spread},
+            "autotuned_vs_best_baseline_ms": round(med["autotuned"] - best_baseline, 4),
+            "noise_ms": round(noise, 4),
+            "autotuned_le_best_baseline_within_noise": med["autotuned"] <= best_baseline + noise,
+            "chosen": res.best.to_dict(),
+            "decision": res.report["decision"],
+        }
         with open(os.path.join(args.out, f"engine_tp{ws}.json"), "w") as f:
             json.dump(out, f, indent=1)
         write_report(os.path.join(args.out, f"engine_tp{ws}_tuning_report.json"), res.report)
         with open(os.path.join(args.out, f"engine_tp{ws}_tuned.yaml"), "w") as f:
-            f.write(dumps_yaml(res.best.ub, yaml_header(res.best.ub, {"tp": ws, "hidden": args.hidden, "seq": args.seq})))
-        print(f"\n| TP={ws} h{args.hidden} ffn{args.ffn} {args.layers} layers seq {args.seq} | step ms (median of {args.timing_rounds} rounds x {args.timing_steps}) | spread | vs no overlap |")
+            f.write(
+                dumps_yaml(res.best.ub, yaml_header(res.best.ub, {"tp": ws, "hidden": args.hidden, "seq": args.seq}))
+            )
+        print(
+            f"\n| TP={ws} h{args.hidden} ffn{args.ffn} {args.layers} layers seq {args.seq} | step ms (median of {args.timing_rounds} rounds x {args.timing_steps}) | spread | vs no overlap |"
+        )
         print("|---|---|---|---|")
         for k in med:
             print(f"| {k} | {med[k]:.3f} | {spread[k]:.3f} | {med['no overlap'] / med[k]:.3f}x |")
-        print(f"tuning {tune_wall:.1f} s, switches {res.switches} + {extra_switches}, numerics {'PASSED' if numerics_ok else 'FAILED'}; "
-              f"chosen: {res.best.describe()}")
+        print(
+            f"tuning {tune_wall:.1f} s, switches {res.switches} + {extra_switches}, numerics {'PASSED' if numerics_ok else 'FAILED'}; "
+            f"chosen: {res.best.describe()}"
+        )
     dist.barrier()
     dist.destroy_process_group()
 

@@ -5,8 +5,9 @@
 
 Each run is ``torchrun -m megatron_tp_overlap.run <script> <args>`` (mock data, bf16, GPT with
 4 layers, hidden 4096, ffn 14336, 32 heads / 8 KV groups, seq 8192, 4 micro-batches of 1). Exact
-per-iteration losses come from MEGATRON_TP_OVERLAP_LOSS_LOG; iteration times from Megatron's log.
+per-iteration losses come from the plugin's --iteration-log; iteration times from Megatron's log.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,16 +22,68 @@ from pathlib import Path
 
 
 def model_args(a) -> list[str]:
-    return ["--tensor-model-parallel-size", str(a.tp), "--pipeline-model-parallel-size", str(a.pp), "--sequence-parallel",
-            "--num-layers", str(a.layers), "--hidden-size", str(a.hidden), "--ffn-hidden-size", str(a.ffn),
-            "--num-attention-heads", str(a.heads), "--group-query-attention", "--num-query-groups", str(a.kv_groups),
-            "--seq-length", str(a.seq), "--max-position-embeddings", str(a.seq), "--micro-batch-size", "1",
-            "--global-batch-size", str(a.global_batch), "--train-iters", str(a.iters), "--lr", "1e-4", "--min-lr", "1e-5",
-            "--lr-decay-style", "cosine", "--lr-warmup-iters", "2", "--bf16", "--mock-data", "--tokenizer-type", "NullTokenizer",
-            "--vocab-size", "32000", "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
-            "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--no-gradient-accumulation-fusion",
-            "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000000", "--transformer-impl", "transformer_engine",
-            "--seed", "1234", "--attention-backend", "auto"]
+    return [
+        "--tensor-model-parallel-size",
+        str(a.tp),
+        "--pipeline-model-parallel-size",
+        str(a.pp),
+        "--sequence-parallel",
+        "--num-layers",
+        str(a.layers),
+        "--hidden-size",
+        str(a.hidden),
+        "--ffn-hidden-size",
+        str(a.ffn),
+        "--num-attention-heads",
+        str(a.heads),
+        "--group-query-attention",
+        "--num-query-groups",
+        str(a.kv_groups),
+        "--seq-length",
+        str(a.seq),
+        "--max-position-embeddings",
+        str(a.seq),
+        "--micro-batch-size",
+        "1",
+        "--global-batch-size",
+        str(a.global_batch),
+        "--train-iters",
+        str(a.iters),
+        "--lr",
+        "1e-4",
+        "--min-lr",
+        "1e-5",
+        "--lr-decay-style",
+        "cosine",
+        "--lr-warmup-iters",
+        "2",
+        "--bf16",
+        "--mock-data",
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        "32000",
+        "--swiglu",
+        "--normalization",
+        "RMSNorm",
+        "--position-embedding-type",
+        "rope",
+        "--disable-bias-linear",
+        "--untie-embeddings-and-output-weights",
+        "--no-gradient-accumulation-fusion",
+        "--log-interval",
+        "1",
+        "--eval-iters",
+        "0",
+        "--eval-interval",
+        "1000000",
+        "--transformer-impl",
+        "transformer_engine",
+        "--seed",
+        "1234",
+        "--attention-backend",
+        "auto",
+    ]
 
 
 def main() -> None:
@@ -50,11 +103,18 @@ def main() -> None:
     p.add_argument("--budget-s", type=float, default=60)
     p.add_argument("--runs", default="autotune,tuned_yaml,te_default,no_overlap")
     p.add_argument("--tag", default="")
-    p.add_argument("--deterministic", action="store_true",
-                   help="deterministic kernels as Megatron's --deterministic-mode sets them up (MEGATRON_TP_OVERLAP_DETERMINISTIC=1), for bitwise loss comparisons")
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="deterministic kernels as Megatron's --deterministic-mode sets them up (MEGATRON_TP_OVERLAP_DETERMINISTIC=1), for bitwise loss comparisons",
+    )
     p.add_argument("--master-port", type=int, default=29500, help="torchrun's; differ for jobs sharing a host")
     p.add_argument("--fp8", action="store_true", help="FP8 GEMMs (--fp8-format hybrid)")
-    p.add_argument("--extra", default="", help="more Megatron flags for every run, e.g. '--tp-comm-overlap-autotune-trial-timeout 10'")
+    p.add_argument(
+        "--extra",
+        default="",
+        help="more Megatron flags for every run, e.g. '--tp-comm-overlap-autotune-trial-timeout 10'",
+    )
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     a = p.parse_args()
     out = Path(a.out)
@@ -62,8 +122,14 @@ def main() -> None:
     tag = a.tag or f"tp{a.tp}pp{a.pp}"
     tuned = out / f"megatron_{tag}_tuned.yaml"
     extra = {
-        "autotune": ["--tp-comm-overlap", "--tp-comm-overlap-autotune", "--tp-comm-overlap-autotune-output", str(tuned),
-                     "--tp-comm-overlap-autotune-seconds", str(a.budget_s)],
+        "autotune": [
+            "--tp-comm-overlap",
+            "--tp-comm-overlap-autotune",
+            "--tp-comm-overlap-autotune-output",
+            str(tuned),
+            "--tp-comm-overlap-autotune-seconds",
+            str(a.budget_s),
+        ],
         "tuned_yaml": ["--tp-comm-overlap", "--tp-comm-overlap-cfg", str(tuned)],
         "te_default": ["--tp-comm-overlap"],
         "no_overlap": [],
@@ -74,54 +140,88 @@ def main() -> None:
         loss_log = out / f"losses_{tag}_{run}"
         for f in out.glob(loss_log.name + ".rank*"):
             f.unlink()
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={a.gpus}", f"--master-port={a.master_port}", "-m", "megatron_tp_overlap.run",
-               a.script, *model_args(a), *extra[kind], *a.extra.split()]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc-per-node={a.gpus}",
+            f"--master-port={a.master_port}",
+            "-m",
+            "megatron_tp_overlap.run",
+            "--iteration-log",
+            str(loss_log),
+            a.script,
+            *model_args(a),
+            *extra[kind],
+            *a.extra.split(),
+        ]
         if a.fp8:
             cmd += ["--fp8-format", "hybrid"]
-        env = {**os.environ, "MEGATRON_TP_OVERLAP_LOSS_LOG": str(loss_log), "MEGATRON_TP_OVERLAP_CHECK_STATE": "1"}
+        env = {**os.environ, "MEGATRON_TP_OVERLAP_CHECK_STATE": "1"}
         if a.deterministic:  # Megatron's --deterministic-mode refuses --tp-comm-overlap: the same settings by env
             env["MEGATRON_TP_OVERLAP_DETERMINISTIC"] = "1"
         t0 = time.time()
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         wall = time.time() - t0
         log = proc.stdout + proc.stderr
-        (out / f"log_{tag}_{run}.txt").write_text("\n".join(l for l in log.splitlines() if not l.startswith("!!! [UB")))
+        (out / f"log_{tag}_{run}.txt").write_text("\n".join(x for x in log.splitlines() if not x.startswith("!!! [UB")))
         times = [float(x) for x in re.findall(r"elapsed time per iteration \(ms\): ([0-9.]+)", log)]
         losses = []
         for f in sorted(out.glob(loss_log.name + ".rank*")):
-            losses = [json.loads(l) for l in f.read_text().splitlines()]
+            losses = [json.loads(x) for x in f.read_text().splitlines()]
         steady = times[5:] if len(times) > 8 else times
-        results[run] = {"rc": proc.returncode, "wall_s": round(wall, 1), "iter_ms": times,
-                        "iter_ms_median": round(statistics.median(steady), 2) if steady else None,
-                        "iter_ms_spread": round(max(steady) - min(steady), 2) if steady else None,
-                        "losses": [l.get("lm loss") for l in losses]}
-        print(f"[{tag}] {run}: rc={proc.returncode} wall {wall:.0f}s iter median {results[run]['iter_ms_median']} ms "
-              f"losses {results[run]['losses'][:3]}", flush=True)
+        results[run] = {
+            "rc": proc.returncode,
+            "wall_s": round(wall, 1),
+            "iter_ms": times,
+            "iter_ms_median": round(statistics.median(steady), 2) if steady else None,
+            "iter_ms_spread": round(max(steady) - min(steady), 2) if steady else None,
+            "losses": [x.get("lm loss") for x in losses],
+        }
+        print(
+            f"[{tag}] {run}: rc={proc.returncode} wall {wall:.0f}s iter median {results[run]['iter_ms_median']} ms "
+            f"losses {results[run]['losses'][:3]}",
+            flush=True,
+        )
         if proc.returncode != 0:
             print("\n".join(log.splitlines()[-40:]), flush=True)
     if "autotune" in results and "tuned_yaml" in results:
         la, lb = results["autotune"]["losses"][:20], results["tuned_yaml"]["losses"][:20]
         results["losses_equal_first_20"] = bool(la) and la == lb
-        results["first_loss_difference_at_iteration"] = next((i + 1 for i, (x, y) in enumerate(zip(la, lb)) if x != y), None)
+        results["first_loss_difference_at_iteration"] = next(
+            (i + 1 for i, (x, y) in enumerate(zip(la, lb)) if x != y), None
+        )
         if "tuned_yaml.2" in results:
             lc = results["tuned_yaml.2"]["losses"][:20]
             results["tuned_yaml_repeat_equal_first_20"] = bool(lc) and lc == lb
             results["max_rel_loss_difference"] = {
-                "autotune_vs_yaml": max((abs(float(x) - float(y)) / abs(float(y)) for x, y in zip(la, lb)), default=None),
-                "yaml_vs_yaml_repeat": max((abs(float(x) - float(y)) / abs(float(y)) for x, y in zip(lc, lb)), default=None)}
+                "autotune_vs_yaml": max(
+                    (abs(float(x) - float(y)) / abs(float(y)) for x, y in zip(la, lb)), default=None
+                ),
+                "yaml_vs_yaml_repeat": max(
+                    (abs(float(x) - float(y)) / abs(float(y)) for x, y in zip(lc, lb)), default=None
+                ),
+            }
     report = out / f"megatron_{tag}_tuned.report.json"
     if report.exists():
         r = json.loads(report.read_text())
-        results["tuning"] = {"decision": r["decision"], "wall_s": r["meta"]["wall_s"], "switches": r["meta"]["switches"],
-                             "summary": r["summary"], "state_check": r.get("state_check"),
-                             "numerics_guard": r["meta"].get("numerics_guard")}
+        results["tuning"] = {
+            "decision": r["decision"],
+            "wall_s": r["meta"]["wall_s"],
+            "switches": r["meta"]["switches"],
+            "summary": r["summary"],
+            "state_check": r.get("state_check"),
+            "numerics_guard": r["meta"].get("numerics_guard"),
+        }
     (out / f"megatron_{tag}.json").write_text(json.dumps(results, indent=1))
     print(f"\n| {tag} | run | iter ms (median, iters 6+) | spread | rc |\n|---|---|---|---|---|")
     for k, v in results.items():
         if isinstance(v, dict) and "rc" in v:
             print(f"| {tag} | {k} | {v['iter_ms_median']} | {v['iter_ms_spread']} | {v['rc']} |")
     if "losses_equal_first_20" in results:
-        print(f"first 20 losses, autotune vs tuned YAML: {'bitwise equal' if results['losses_equal_first_20'] else 'DIFFERENT'}")
+        print(
+            f"first 20 losses, autotune vs tuned YAML: {'bitwise equal' if results['losses_equal_first_20'] else 'DIFFERENT'}"
+        )
 
 
 if __name__ == "__main__":

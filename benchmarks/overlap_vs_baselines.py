@@ -10,6 +10,7 @@ communication-only time of the same collectives (NCCL, standalone: per layer 6 a
 reduce-scatters of the [tokens, hidden] activation); overlap efficiency (T_no_overlap - T) / T_comm.
 Writes overlap_vs_baselines_tp{N}.json / .md and a bar chart.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,11 +37,13 @@ def efficiency(t_no_overlap: float, t: float, t_comm: float) -> float:
 def comm_only_ms(tokens: int, hidden: int, layers: int, iters: int = 20) -> dict[str, float]:
     import torch
     import torch.distributed as dist
+
     tp = dist.get_world_size()
     full = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
     shard = torch.empty(tokens // tp, hidden, device="cuda", dtype=torch.bfloat16)
 
-    from megatron_tp_overlap.measure import median_cuda_ms
+    from megatron_tp_overlap.engine.measure import median_cuda_ms
+
     ag = median_cuda_ms(lambda: dist.all_gather_into_tensor(full, shard), iters)
     rs = median_cuda_ms(lambda: dist.reduce_scatter_tensor(shard, full), iters)
     return {"all_gather_ms": ag, "reduce_scatter_ms": rs, "total_ms": layers * (AG_PER_LAYER * ag + RS_PER_LAYER * rs)}
@@ -51,28 +54,43 @@ def run_case(name: str, layers: int, steps: int, rounds: int, budget_s: float, e
     import torch.distributed as dist
     from transformer_engine.pytorch.module import base as te_base
 
-    from megatron_tp_overlap.layer_bench import build_stack
-    from megatron_tp_overlap.measure import compare_configs
+    from megatron_tp_overlap.engine.measure import compare_configs
+    from megatron_tp_overlap.engine.search import SearchOptions
+    from megatron_tp_overlap.engine.space import TuningConfig, all_off
+    from megatron_tp_overlap.engine.tuner import Autotuner
+    from megatron_tp_overlap.engine.tuner import rank0_print as log
     from megatron_tp_overlap.models import load_model_dims
-    from megatron_tp_overlap.presets import closest_preset, get_preset
-    from megatron_tp_overlap.search import SearchOptions
-    from megatron_tp_overlap.space import TuningConfig, all_off
-    from megatron_tp_overlap.tuner import Autotuner, rank0_print as log
-    from megatron_tp_overlap.ub_config import UbConfig
+    from megatron_tp_overlap.tools.layer_bench import build_stack
+    from megatron_tp_overlap.ub.config import UbConfig
+    from megatron_tp_overlap.ub.presets import closest_preset, get_preset
 
     model_name, seq, mbs = CASES[name]
     d = load_model_dims(model_name)
     tp = dist.get_world_size()
     stack = build_stack(d, layers, seq, mbs, overlap=True)
-    out: dict = {"case": name, "model": model_name, "tp": tp, "layers": layers, "seq": seq, "mbs": mbs, "dims": d.__dict__}
+    out: dict = {
+        "case": name,
+        "model": model_name,
+        "tp": tp,
+        "layers": layers,
+        "seq": seq,
+        "mbs": mbs,
+        "dims": d.__dict__,
+    }
     out["comm_only"] = comm_only_ms(seq * mbs, d.hidden, layers)
 
     t0 = time.perf_counter()
-    auto_tuner = Autotuner(stack.model, stack.step, stack.init, options=SearchOptions(max_seconds=budget_s),
-                           verify_fn=stack.fingerprint)
+    auto_tuner = Autotuner(
+        stack.model, stack.step, stack.init, options=SearchOptions(max_seconds=budget_s), verify_fn=stack.fingerprint
+    )
     auto = auto_tuner.tune()
-    out["autotune"] = {"wall_s": round(time.perf_counter() - t0, 2), "steps": auto.search.steps_run,
-                       "switches": auto.switches, "chosen": auto.best.to_dict(), "decision": auto.search.reason}
+    out["autotune"] = {
+        "wall_s": round(time.perf_counter() - t0, 2),
+        "steps": auto.search.steps_run,
+        "switches": auto.switches,
+        "chosen": auto.best.to_dict(),
+        "decision": auto.search.reason,
+    }
     log(auto.summary)
     contenders = {"no overlap": None, "TE default": TuningConfig(UbConfig(), frozenset(), "TE default")}
     preset = closest_preset(d.hidden, tp, fp8=False)
@@ -81,11 +99,21 @@ def run_case(name: str, layers: int, steps: int, rounds: int, budget_s: float, e
     tuner = None
     if exhaustive:
         t0 = time.perf_counter()
-        tuner = Autotuner(stack.model, stack.step, stack.init, verify_fn=stack.fingerprint,
-                          options=SearchOptions(strategy="slot_exhaustive", max_steps=100_000, max_seconds=1800))
+        tuner = Autotuner(
+            stack.model,
+            stack.step,
+            stack.init,
+            verify_fn=stack.fingerprint,
+            options=SearchOptions(strategy="slot_exhaustive", max_steps=100_000, max_seconds=1800),
+        )
         ex = tuner.tune()
-        out["slot_exhaustive"] = {"wall_s": round(time.perf_counter() - t0, 2), "steps": ex.search.steps_run,
-                                  "switches": ex.switches, "chosen": ex.best.to_dict(), "decision": ex.search.reason}
+        out["slot_exhaustive"] = {
+            "wall_s": round(time.perf_counter() - t0, 2),
+            "steps": ex.search.steps_run,
+            "switches": ex.switches,
+            "chosen": ex.best.to_dict(),
+            "decision": ex.search.reason,
+        }
         contenders["slot-exhaustive best"] = ex.best
     last = tuner or auto_tuner  # its switcher knows which config is live
     sw = last.switcher
@@ -93,14 +121,22 @@ def run_case(name: str, layers: int, steps: int, rounds: int, budget_s: float, e
     stats = compare_configs(contenders, sw.apply, stack.step, steps, rounds)  # interleaved; equal configs share
     med = {k: v["median"] for k, v in stats.items()}
     t_no, t_comm = med["no overlap"], out["comm_only"]["total_ms"]
-    out["step_ms"] = {k: {"median": round(v, 4), "spread": round(stats[k]["spread"], 4),
-                          "efficiency": round(efficiency(t_no, v, t_comm), 3)} for k, v in med.items()}
+    out["step_ms"] = {
+        k: {
+            "median": round(v, 4),
+            "spread": round(stats[k]["spread"], 4),
+            "efficiency": round(efficiency(t_no, v, t_comm), 3),
+        }
+        for k, v in med.items()
+    }
     out["comm_fraction_of_no_overlap"] = round(t_comm / t_no, 3)
     baselines = min(med[k] for k in med if k in ("no overlap", "TE default") or k.startswith("preset"))
     out["targets"] = {
         "autotuned_le_baselines": med["autotuned"] <= baselines,
         "within_1pct_of_exhaustive": None if not exhaustive else med["autotuned"] <= med["slot-exhaustive best"] * 1.01,
-        "tuning_steps_le_10pct_of_exhaustive": None if not exhaustive else out["autotune"]["steps"] <= 0.1 * out["slot_exhaustive"]["steps"],
+        "tuning_steps_le_10pct_of_exhaustive": None
+        if not exhaustive
+        else out["autotune"]["steps"] <= 0.1 * out["slot_exhaustive"]["steps"],
         "tuning_le_60s": out["autotune"]["wall_s"] <= 60,
         "efficiency_ge_0.6": efficiency(t_no, med["autotuned"], t_comm) >= 0.6,
     }
@@ -113,19 +149,26 @@ def run_case(name: str, layers: int, steps: int, rounds: int, budget_s: float, e
 
 
 def render(results: list[dict]) -> str:
-    lines = ["| case | TP | config | step ms | spread | overlap efficiency | comm-only ms |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| case | TP | config | step ms | spread | overlap efficiency | comm-only ms |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         for k, v in r["step_ms"].items():
-            lines.append(f"| {r['case']} | {r['tp']} | {k} | {v['median']:.3f} | {v['spread']:.3f} | {v['efficiency']:.2f} | "
-                         f"{r['comm_only']['total_ms']:.3f} |")
+            lines.append(
+                f"| {r['case']} | {r['tp']} | {k} | {v['median']:.3f} | {v['spread']:.3f} | {v['efficiency']:.2f} | "
+                f"{r['comm_only']['total_ms']:.3f} |"
+            )
     return "\n".join(lines)
 
 
 def plot(results: list[dict], path: Path) -> None:
     """Step time per config, the y-axis zoomed to [all-comm-hidden bound - 5%, max]: the differences are a few %."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 4.5), squeeze=False)
     for ax, r in zip(axes[0], results):
         names = list(r["step_ms"])
@@ -158,6 +201,7 @@ def main() -> None:
     a = p.parse_args()
     import torch
     import torch.distributed as dist
+
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl")
     results = [run_case(c, a.layers, a.steps, a.rounds, a.budget_s, not a.no_exhaustive) for c in a.cases.split(",")]

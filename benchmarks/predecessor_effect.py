@@ -14,6 +14,7 @@ This measures the target config T (TE default) after each kind of predecessor, i
 
 Writes ``predecessor_effect_tp{N}.json`` and prints a table (median and spread of the round medians).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,7 +33,11 @@ def plan(rounds: int) -> list[tuple[str, str]]:
 
 
 def summarize(samples: dict[str, list[float]]) -> dict[str, dict[str, float]]:
-    return {o: {"median": statistics.median(v), "spread": max(v) - min(v), "rounds": len(v)} for o, v in samples.items() if v}
+    return {
+        o: {"median": statistics.median(v), "spread": max(v) - min(v), "rounds": len(v)}
+        for o, v in samples.items()
+        if v
+    }
 
 
 def main() -> None:
@@ -46,19 +51,21 @@ def main() -> None:
     a = p.parse_args()
 
     import sys
+
     import torch
     import torch.distributed as dist
+
     sys.path.insert(0, str(Path(__file__).parent))
     from overlap_vs_baselines import CASES
 
-    from megatron_tp_overlap.layer_bench import build_stack
-    from megatron_tp_overlap.measure import median_cuda_ms
+    from megatron_tp_overlap.engine.measure import median_cuda_ms
+    from megatron_tp_overlap.engine.space import TuningConfig, all_off
+    from megatron_tp_overlap.engine.switcher import UbSwitcher
+    from megatron_tp_overlap.engine.topology import build_topology, find_overlap_modules
     from megatron_tp_overlap.models import load_model_dims
-    from megatron_tp_overlap.presets import closest_preset, get_preset
-    from megatron_tp_overlap.space import TuningConfig, all_off
-    from megatron_tp_overlap.topology import build_topology, find_overlap_modules
-    from megatron_tp_overlap.ub_config import UbConfig
-    from megatron_tp_overlap.ub_runtime import UbSwitcher
+    from megatron_tp_overlap.tools.layer_bench import build_stack
+    from megatron_tp_overlap.ub.config import UbConfig
+    from megatron_tp_overlap.ub.presets import closest_preset, get_preset
 
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl")
@@ -91,8 +98,16 @@ def main() -> None:
         else:
             sw.apply(T, force=True)  # new buffers for the same config
         samples[order].append(median_cuda_ms(stack.step, a.steps, warmup=0))  # no warmup: the effect is the point
-    result = {"case": a.case, "tp": dist.get_world_size(), "gpu": torch.cuda.get_device_name(), "steps": a.steps,
-              "pre_steps": a.pre_steps, "rounds": a.rounds, "samples_ms": samples, "summary": summarize(samples)}
+    result = {
+        "case": a.case,
+        "tp": dist.get_world_size(),
+        "gpu": torch.cuda.get_device_name(),
+        "steps": a.steps,
+        "pre_steps": a.pre_steps,
+        "rounds": a.rounds,
+        "samples_ms": samples,
+        "summary": summarize(samples),
+    }
     if dist.get_rank() == 0:
         out = Path(a.out)
         out.mkdir(parents=True, exist_ok=True)

@@ -10,6 +10,7 @@ data-parallel replicas (DDP) of the TP group fill the node.
 the layer (same weights, same inputs): relative L2 error <= 2e-2 in bf16, <= 1e-1 with ``--fp8``
 (FP8 scaling is computed per module, and overlap changes reduction order).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,10 +34,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fp8", action="store_true", help="FP8 (delayed scaling, hybrid format) GEMMs and buffers")
     p.add_argument("--no-comm-overlap", action="store_true", help="sequence parallelism over NCCL, no userbuffers")
     p.add_argument("--num-replicas", type=int, default=1, help="data-parallel replicas (DDP) of the TP group")
-    p.add_argument("--bootstrap-backend", choices=["nccl", "gloo", "mpi"], default="nccl",
-                   help="torch.distributed backend for userbuffers bootstrapping")
+    p.add_argument(
+        "--bootstrap-backend",
+        choices=["nccl", "gloo", "mpi"],
+        default="nccl",
+        help="torch.distributed backend for userbuffers bootstrapping",
+    )
     p.add_argument("--ub-cfg", type=str, default=None, help="a ub_cfgs YAML (Megatron --tp-comm-overlap-cfg format)")
-    p.add_argument("--autotune", action="store_true", help="tune the ub_cfgs with megatron-tp-overlap before the iterations")
+    p.add_argument(
+        "--autotune", action="store_true", help="tune the ub_cfgs with megatron-tp-overlap before the iterations"
+    )
     p.add_argument("--autotune-seconds", type=float, default=30.0)
     p.add_argument("--check-numerics", action="store_true", help="compare against a no-overlap reference")
     p.add_argument("--benchmark", action="store_true", help="time iterations: no overlap, given/TE default, autotuned")
@@ -60,8 +67,10 @@ def check_launch(args: argparse.Namespace, world_size: int, multicast: bool, env
     else:
         tp = world_size // args.num_replicas
         if tp < 2:
-            p.append(f"each TP group has {tp} GPU (world size {world_size} / --num-replicas {args.num_replicas}): "
-                     "tensor parallelism needs >= 2 GPUs per group")
+            p.append(
+                f"each TP group has {tp} GPU (world size {world_size} / --num-replicas {args.num_replicas}): "
+                "tensor parallelism needs >= 2 GPUs per group"
+            )
         elif args.seq_length % tp:
             p.append(f"--seq-length {args.seq_length} must be divisible by the TP size {tp} (sequence parallel)")
         elif (args.mlp_expansion_factor * args.num_heads * args.head_dim) % tp:
@@ -72,9 +81,12 @@ def check_launch(args: argparse.Namespace, world_size: int, multicast: bool, env
         p.append("set CUDA_DEVICE_MAX_CONNECTIONS=1 (comm/GEMM overlap needs in-order kernel launch)")
     if args.ub_cfg:
         from megatron_tp_overlap.errors import ConfigError
-        from megatron_tp_overlap.validation import ValidationContext, load_and_validate
+        from megatron_tp_overlap.ub.rules import ValidationContext, load_and_validate
+
         try:
-            load_and_validate(args.ub_cfg, ValidationContext(fp8=args.fp8, tp_size=max(world_size // args.num_replicas, 2)))
+            load_and_validate(
+                args.ub_cfg, ValidationContext(fp8=args.fp8, tp_size=max(world_size // args.num_replicas, 2))
+            )
         except ConfigError as e:
             p.append(f"--ub-cfg: {e}")
     return p
@@ -98,13 +110,13 @@ def main(argv: list[str] | None = None) -> int:
     from transformer_engine.common.recipe import DelayedScaling, Format
     from transformer_engine.pytorch.module import base as te_base
 
-    from megatron_tp_overlap.numerics import Fingerprint
-    from megatron_tp_overlap.search import SearchOptions
-    from megatron_tp_overlap.space import TuningConfig, all_off
-    from megatron_tp_overlap.topology import build_topology, find_overlap_modules
-    from megatron_tp_overlap.tuner import Autotuner
-    from megatron_tp_overlap.ub_config import UbConfig, load_yaml
-    from megatron_tp_overlap.ub_runtime import capture_initialize_ub
+    from megatron_tp_overlap.engine.numerics import Fingerprint
+    from megatron_tp_overlap.engine.search import SearchOptions
+    from megatron_tp_overlap.engine.space import TuningConfig, all_off
+    from megatron_tp_overlap.engine.switcher import capture_initialize_ub
+    from megatron_tp_overlap.engine.topology import build_topology, find_overlap_modules
+    from megatron_tp_overlap.engine.tuner import Autotuner
+    from megatron_tp_overlap.ub.config import UbConfig, load_yaml
 
     torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl", device_id=torch.device(f"cuda:{local_rank}"))
@@ -133,17 +145,32 @@ def main(argv: list[str] | None = None) -> int:
         mode = te_base.UserBufferQuantizationMode.FP8 if args.fp8 else te_base.UserBufferQuantizationMode.NONE
         user_cfg = load_yaml(args.ub_cfg) if args.ub_cfg else UbConfig()
         with capture_initialize_ub() as calls:
-            te_base.initialize_ub(shape=[tokens, hidden], tp_size=tp, quantization_modes=[mode], dtype=torch.bfloat16,
-                                  ub_cfgs=user_cfg.to_dict(), bootstrap_backend=args.bootstrap_backend)
+            te_base.initialize_ub(
+                shape=[tokens, hidden],
+                tp_size=tp,
+                quantization_modes=[mode],
+                dtype=torch.bfloat16,
+                ub_cfgs=user_cfg.to_dict(),
+                bootstrap_backend=args.bootstrap_backend,
+            )
         init = calls[0]
 
-    kw = dict(tp_group=tp_group, tp_size=tp, sequence_parallel=True, set_parallel_mode=True, params_dtype=torch.bfloat16,
-              seq_length=args.seq_length, micro_batch_size=args.batch_size, device="cuda")
+    kw = dict(
+        tp_group=tp_group,
+        tp_size=tp,
+        sequence_parallel=True,
+        set_parallel_mode=True,
+        params_dtype=torch.bfloat16,
+        seq_length=args.seq_length,
+        micro_batch_size=args.batch_size,
+        device="cuda",
+    )
     torch.manual_seed(args.seed)
     torch.cuda.manual_seed(args.seed + dist.get_rank(tp_group))  # weight shards differ across TP ranks
     overlap = not args.no_comm_overlap
-    layer = te.LayerNormMLP(hidden, ffn, ub_overlap_ag=overlap, ub_overlap_rs=overlap, ub_bulk_dgrad=overlap,
-                            ub_bulk_wgrad=overlap, **kw)
+    layer = te.LayerNormMLP(
+        hidden, ffn, ub_overlap_ag=overlap, ub_overlap_rs=overlap, ub_bulk_dgrad=overlap, ub_bulk_wgrad=overlap, **kw
+    )
     model = torch.nn.parallel.DistributedDataParallel(layer, process_group=dp_group) if dp_group is not None else layer
     # Found now, while every overlap flag is on: a tuned config may switch them all off ("no overlap" won).
     mods = find_overlap_modules(layer) if overlap else []
@@ -179,10 +206,16 @@ def main(argv: list[str] | None = None) -> int:
         def step() -> None:
             fwd_bwd(model, x_fixed, dy_fixed)
 
-        tuner = Autotuner(model, step, init,
-                          reference=load_yaml(args.ub_cfg) if args.ub_cfg else None,
-                          options=SearchOptions(max_seconds=args.autotune_seconds), verify_fn=fingerprint,
-                          verify_rtol=RTOL["fp8" if args.fp8 else "bf16"], log=lambda *a: log(" ".join(map(str, a))))
+        tuner = Autotuner(
+            model,
+            step,
+            init,
+            reference=load_yaml(args.ub_cfg) if args.ub_cfg else None,
+            options=SearchOptions(max_seconds=args.autotune_seconds),
+            verify_fn=fingerprint,
+            verify_rtol=RTOL["fp8" if args.fp8 else "bf16"],
+            log=lambda *a: log(" ".join(map(str, a))),
+        )
         res = tuner.tune()
         tuned = res.best
         log(res.summary)
@@ -220,21 +253,30 @@ def main(argv: list[str] | None = None) -> int:
         layer.zero_grad(set_to_none=True)
         xs = [x_fixed.detach().clone().requires_grad_(True) for _ in range(2)]
         y_ub, y_ref = fwd_bwd(layer, xs[0], dy_fixed), fwd_bwd(ref, xs[1], dy_fixed)
-        pairs = {"output": (y_ub, y_ref), "input grad": (xs[0].grad, xs[1].grad),
-                 **{f"{n} grad": (p.grad, dict(ref.named_parameters())[n].grad) for n, p in layer.named_parameters()}}
+        pairs = {
+            "output": (y_ub, y_ref),
+            "input grad": (xs[0].grad, xs[1].grad),
+            **{f"{n} grad": (p.grad, dict(ref.named_parameters())[n].grad) for n, p in layer.named_parameters()},
+        }
         tol = RTOL["fp8" if args.fp8 else "bf16"]
         for name, (a, b) in pairs.items():
-            err = torch.tensor([((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()], device="cuda")
+            err = torch.tensor(
+                [((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()], device="cuda"
+            )
             dist.all_reduce(err, op=dist.ReduceOp.MAX)
             ok = err.item() <= tol
             status |= 0 if ok else 1
             log(f"numerics {name:<22} rel. error {err.item():.2e} (tol {tol:g}): {'PASSED' if ok else 'FAILED'}")
 
     if args.benchmark and overlap:
-        from megatron_tp_overlap.measure import compare_configs
-        from megatron_tp_overlap.ub_runtime import UbSwitcher
-        given = TuningConfig(load_yaml(args.ub_cfg) if args.ub_cfg else UbConfig(), frozenset(),
-                             "given --ub-cfg" if args.ub_cfg else "TE default")
+        from megatron_tp_overlap.engine.measure import compare_configs
+        from megatron_tp_overlap.engine.switcher import UbSwitcher
+
+        given = TuningConfig(
+            load_yaml(args.ub_cfg) if args.ub_cfg else UbConfig(),
+            frozenset(),
+            "given --ub-cfg" if args.ub_cfg else "TE default",
+        )
         sw = UbSwitcher(init, mods, barrier=dist.barrier, current=tuned or given)  # what is live now
         cases = {"no overlap": all_off(build_topology(mods), given), given.label: given}
         if tuned:
@@ -242,13 +284,21 @@ def main(argv: list[str] | None = None) -> int:
         for c in cases.values():  # warm each config up once
             sw.apply(c)
             fwd_bwd(model, x_fixed, dy_fixed)
-        stats = compare_configs(cases, sw.apply, lambda: fwd_bwd(model, x_fixed, dy_fixed), args.benchmark_iters,
-                                args.benchmark_rounds, group=tp_group)
+        stats = compare_configs(
+            cases,
+            sw.apply,
+            lambda: fwd_bwd(model, x_fixed, dy_fixed),
+            args.benchmark_iters,
+            args.benchmark_rounds,
+            group=tp_group,
+        )
         rows = [(name, st["median"], st["spread"]) for name, st in stats.items()]
         if rank == 0:
             base = rows[0][1]
-            print(f"\n| config | fwd+bwd ms (median of {args.benchmark_rounds} interleaved rounds x {args.benchmark_iters}) "
-                  "| spread ms | vs no overlap |\n|---|---|---|---|")
+            print(
+                f"\n| config | fwd+bwd ms (median of {args.benchmark_rounds} interleaved rounds x {args.benchmark_iters}) "
+                "| spread ms | vs no overlap |\n|---|---|---|---|"
+            )
             for name, t, spread in rows:
                 print(f"| {name} | {t:.3f} | {spread:.3f} | {base / t:.3f}x |")
 

@@ -1,4 +1,5 @@
 """Write files so that a reader never sees a half-written one and nothing the user had is lost."""
+
 from __future__ import annotations
 
 import os

@@ -1,8 +1,10 @@
 """Errors raised before any GPU work: each names the key, the value and the rule."""
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ Configs of common models ship with the package (``model_configs/<org>/<name>/con
 Llama 3/3.1, Qwen3 0.6B-32B, GPT-3 1.3B-175B) and load through ``transformers.AutoConfig``; a name
 that is neither shipped nor in the local Hugging Face cache is a clear error (no hub access).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -49,14 +50,27 @@ def load_model_dims(name_or_path: str) -> ModelDims:
     try:
         cfg = AutoConfig.from_pretrained(str(source) if source else name_or_path, local_files_only=True)
     except (OSError, ValueError) as e:
-        raise ValueError(f"model {name_or_path!r}: not a local config directory, not shipped, and not in the Hugging "
-                         f"Face cache (no hub access here). Shipped: {', '.join(shipped_models())}") from e
+        raise ValueError(
+            f"model {name_or_path!r}: not a local config directory, not shipped, and not in the Hugging "
+            f"Face cache (no hub access here). Shipped: {', '.join(shipped_models())}"
+        ) from e
     if getattr(cfg, "model_type", None) == "gpt2":
         h, heads = cfg.n_embd, cfg.n_head
-        return ModelDims(name_or_path, h, cfg.n_inner or 4 * h, heads, heads, h // heads, cfg.n_layer, cfg.vocab_size, False)
+        return ModelDims(
+            name_or_path, h, cfg.n_inner or 4 * h, heads, heads, h // heads, cfg.n_layer, cfg.vocab_size, False
+        )
     heads = cfg.num_attention_heads
     kv = getattr(cfg, "num_key_value_heads", None) or heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     act = str(getattr(cfg, "hidden_act", "silu"))
-    return ModelDims(name_or_path, cfg.hidden_size, cfg.intermediate_size, heads, kv, head_dim, cfg.num_hidden_layers,
-                     cfg.vocab_size, act in ("silu", "swish"))
+    return ModelDims(
+        name_or_path,
+        cfg.hidden_size,
+        cfg.intermediate_size,
+        heads,
+        kv,
+        head_dim,
+        cfg.num_hidden_layers,
+        cfg.vocab_size,
+        act in ("silu", "swish"),
+    )

@@ -10,7 +10,9 @@ import pytest  # noqa: E402
 def fake_te(monkeypatch):
     """TE's userbuffers registry replaced by tests/fakes.FakeTE (for the switcher and fake modules)."""
     import fakes
-    from megatron_tp_overlap import ub_runtime
+
+    from megatron_tp_overlap.engine import switcher as ub_runtime
+
     te = fakes.FakeTE()
     monkeypatch.setattr(fakes, "STATE", te)
     monkeypatch.setattr(ub_runtime, "_te_base", lambda: te)

@@ -1,18 +1,19 @@
 """CPU stand-ins for TE's userbuffers registry and TE modules, with a synthetic cost model.
 
 The fake modules carry TE's class names and flag attributes (what ``topology`` looks at) and run a
-custom autograd Function (what ``measure`` hooks). Their forward/backward *sleep* for a time given
-by :func:`gemm_cost_ms` of the live config, so the tuner has something real to measure on a CPU.
+custom autograd Function (what ``measure`` hooks). Their forward/backward advance a synthetic clock
+(:data:`CLOCK`) by :func:`gemm_cost_ms` of the live config; :class:`SimEvent` reads it, so the tuner
+measures exact, known times without sleeping.
 """
+
 from __future__ import annotations
 
-import time
 import types
 from typing import Any
 
 import torch
 
-from megatron_tp_overlap.ub_config import GemmOverlapConfig, UbConfig, parse_ub_cfgs, te_default
+from megatron_tp_overlap.ub.config import GemmOverlapConfig, UbConfig, parse_ub_cfgs, te_default
 
 
 class FakeTE:
@@ -37,6 +38,38 @@ class FakeTE:
     def destroy_ub(self):
         self._ub_communicators = None
         self.destroys += 1
+
+
+class SimClock:
+    """A clock that only the fake modules move: ``seconds()`` is the tuner's wall clock, in s."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def advance(self, ms: float) -> None:
+        self.now += ms / 1e3
+
+    def seconds(self) -> float:
+        return self.now
+
+    def sleep(self, s: float) -> None:
+        self.now += s
+
+
+CLOCK = SimClock()
+
+
+class SimEvent:
+    """``torch.cuda.Event(enable_timing=True)`` on :data:`CLOCK`."""
+
+    def __init__(self) -> None:
+        self.t: float | None = None
+
+    def record(self, stream: Any = None) -> None:
+        self.t = CLOCK.now
+
+    def elapsed_time(self, end: SimEvent) -> float:
+        return (end.t - self.t) * 1e3
 
 
 STATE = FakeTE()
@@ -73,13 +106,13 @@ class _Sleep(torch.autograd.Function):
     def forward(ctx, x, w, fwd_ms, bwd_ms):
         ctx.save_for_backward(x, w)
         ctx.bwd_ms = bwd_ms
-        time.sleep(fwd_ms / 1e3)
+        CLOCK.advance(fwd_ms)
         return x @ w
 
     @staticmethod
     def backward(ctx, g):
         x, w = ctx.saved_tensors
-        time.sleep(ctx.bwd_ms() / 1e3)
+        CLOCK.advance(ctx.bwd_ms())
         return g @ w.t(), x.t() @ g, None, None
 
 
@@ -152,5 +185,6 @@ def fake_model(layers: int = 2, hidden: int = 8, scale: float = 1.0) -> torch.nn
 
 
 def fake_init_args(tp: int = 2) -> Any:
-    from megatron_tp_overlap.ub_runtime import UbInitArgs
+    from megatron_tp_overlap.engine.switcher import UbInitArgs
+
     return UbInitArgs(shape=[64, 8], tp_size=tp, dtype="bf16", bootstrap_backend="nccl")

@@ -1,22 +1,22 @@
 """The catalog of bad inputs (issue 9): YAML files, Hydra overrides, Megatron flags, launch settings,
 files on disk. Each must give a specific error naming the key and the rule before any GPU work (or,
 where noted, a warning and a safe fallback), and must leave what the user had untouched."""
+
 from __future__ import annotations
 
 import argparse
 import importlib.util
 import os
 import tempfile
-import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 
-from megatron_tp_overlap.app_config import check_overrides, validate
+from megatron_tp_overlap.app.config import check_overrides, validate
 from megatron_tp_overlap.errors import ConfigError
 from megatron_tp_overlap.integrations.megatron import check_arguments
-from megatron_tp_overlap.validation import ValidationContext, validate_text
+from megatron_tp_overlap.ub.rules import ValidationContext, validate_text
 
 CTX = ValidationContext(sm_count=132, tp_size=4)
 # A path under a regular file: no folder can be made there, whoever runs the tests (root included).
@@ -35,7 +35,8 @@ def hydra_error(*overrides: str, world: int = 4) -> str:
     problems = check_overrides(list(overrides))
     if problems:
         return "\n".join(problems)
-    from megatron_tp_overlap.train import compose
+    from megatron_tp_overlap.app.train import compose
+
     try:
         cfg = compose(list(overrides))
     except Exception as e:  # noqa: BLE001 - Hydra's own type errors
@@ -44,15 +45,34 @@ def hydra_error(*overrides: str, world: int = 4) -> str:
 
 
 def megatron_error(te_available: bool = True, **kw) -> str:
-    base = dict(tp_comm_overlap_autotune=True, tp_comm_overlap=True, sequence_parallel=True, tensor_model_parallel_size=2,
-                transformer_impl="transformer_engine", tp_comm_overlap_cfg=None, tp_comm_overlap_autotune_output="/tmp/x.yaml",
-                save=None, tp_comm_overlap_autotune_steps=400, tp_comm_overlap_autotune_seconds=60.0, fp8=None)
+    base = dict(
+        tp_comm_overlap_autotune=True,
+        tp_comm_overlap=True,
+        sequence_parallel=True,
+        tensor_model_parallel_size=2,
+        seq_length=4096,
+        micro_batch_size=1,
+        hidden_size=4096,
+        ffn_hidden_size=14336,
+        num_attention_heads=32,
+        bf16=True,
+        decoder_seq_length=None,
+        transformer_impl="transformer_engine",
+        tp_comm_overlap_cfg=None,
+        tp_comm_overlap_autotune_output=str(Path(tempfile.gettempdir()) / "tpo-bad-inputs" / "x.yaml"),
+        save=None,
+        tp_comm_overlap_autotune_steps=400,
+        tp_comm_overlap_autotune_seconds=60.0,
+        fp8=None,
+    )
     base.update(kw)
     return "\n".join(check_arguments(argparse.Namespace(**base), te_available))
 
 
 def example_error(argv: list[str], world: int = 4, multicast: bool = False, env: dict | None = None) -> str:
-    spec = importlib.util.spec_from_file_location("ln_mlp_example", Path(__file__).parents[1] / "examples" / "ln_mlp_with_overlap.py")
+    spec = importlib.util.spec_from_file_location(
+        "ln_mlp_example", Path(__file__).parents[1] / "examples" / "ln_mlp_with_overlap.py"
+    )
     ex = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ex)
     env = {"UB_SKIPMC": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "1"} if env is None else env
@@ -63,77 +83,206 @@ def example_error(argv: list[str], world: int = 4, multicast: bool = False, env:
 
 
 def bench_error(op: str, M: int, N: int, K: int, tp: int) -> str:
-    from megatron_tp_overlap.bench import check_shape
+    from megatron_tp_overlap.tools.bench import check_shape
+
     return "\n".join(check_shape(op, M, N, K, tp))
 
 
 CATALOG: list[tuple[str, Callable[[], str], tuple[str, ...]]] = [
     # --- userbuffers YAML (--tp-comm-overlap-cfg, tp_overlap.file, --ub-cfg) ---
-    ("yaml: unknown GEMM", lambda: yaml_error("qkv_fwd:\n  method: bulk\n"), ("ub.yaml:1", "qkv_fwd", "unknown GEMM name")),
-    ("yaml: unknown knob", lambda: yaml_error("qkv_fprop:\n  method: ring_exchange\n  num_sms: 4\n"),
-     ("ub.yaml:3", "qkv_fprop.num_sms", "unknown key")),
-    ("yaml: unknown method", lambda: yaml_error("qkv_fprop:\n  method: ring\n"), ("qkv_fprop.method", "must be one of")),
-    ("yaml: pipeline on an all-gather GEMM", lambda: yaml_error("qkv_fprop:\n  method: pipeline\n"),
-     ("qkv_fprop.method", "only overlaps reduce-scatter")),
-    ("yaml: bulk on a reduce-scatter GEMM", lambda: yaml_error("fc2_fprop:\n  method: bulk\n"), ("fc2_fprop.method", "allowed methods")),
-    ("yaml: num_sm not an integer", lambda: yaml_error("fc2_fprop:\n  method: pipeline\n  num_sm: many\n"),
-     ("fc2_fprop.num_sm", "must be an integer")),
-    ("yaml: num_sm < 1", lambda: yaml_error("fc2_fprop:\n  method: pipeline\n  num_sm: -1\n"), ("fc2_fprop.num_sm", ">= 1")),
-    ("yaml: num_sm above the SM count", lambda: yaml_error("fc2_fprop:\n  method: pipeline\n  num_sm: 400\n"),
-     ("fc2_fprop.num_sm = 400", "SM count (132)")),
-    ("yaml: num_splits < 1", lambda: yaml_error("fc2_fprop:\n  method: pipeline\n  num_splits: 0\n"), ("fc2_fprop.num_splits", ">= 1")),
-    ("yaml: atomic_gemm without FP8", lambda: yaml_error("fc2_fprop:\n  method: pipeline\n  atomic_gemm: true\n"),
-     ("fc2_fprop.atomic_gemm", "only with FP8")),
-    ("yaml: boolean knob given a word", lambda: yaml_error("qkv_fprop:\n  method: ring_exchange\n  aggregate: maybe\n"),
-     ("qkv_fprop.aggregate", "boolean")),
-    ("yaml: wgrad entry beside a reduce-scatter dgrad", lambda: yaml_error("qkv_dgrad:\n  method: ring_exchange\nqkv_wgrad:\n  method: bulk\n"),
-     ("qkv_wgrad", "no entry allowed when qkv_dgrad")),
-    ("yaml: truncated file", lambda: yaml_error("qkv_fprop:\n  method: [ring_exchange\n"), ("ub.yaml:3", "malformed YAML")),
-    ("yaml: a list instead of a mapping", lambda: yaml_error("- qkv_fprop\n- fc1_fprop\n"), ("<top level>", "must be a mapping")),
-    ("yaml: an entry that is not a mapping", lambda: yaml_error("qkv_fprop: ring_exchange\n"), ("qkv_fprop", "mapping of knob")),
-    ("yaml: duplicate GEMM entry", lambda: yaml_error("qkv_fprop:\n  method: bulk\nqkv_fprop:\n  method: ring_exchange\n"),
-     ("ub.yaml:3", "duplicate GEMM entry")),
+    (
+        "yaml: unknown GEMM",
+        lambda: yaml_error("qkv_fwd:\n  method: bulk\n"),
+        ("ub.yaml:1", "qkv_fwd", "unknown GEMM name"),
+    ),
+    (
+        "yaml: unknown knob",
+        lambda: yaml_error("qkv_fprop:\n  method: ring_exchange\n  num_sms: 4\n"),
+        ("ub.yaml:3", "qkv_fprop.num_sms", "unknown key"),
+    ),
+    (
+        "yaml: unknown method",
+        lambda: yaml_error("qkv_fprop:\n  method: ring\n"),
+        ("qkv_fprop.method", "must be one of"),
+    ),
+    (
+        "yaml: pipeline on an all-gather GEMM",
+        lambda: yaml_error("qkv_fprop:\n  method: pipeline\n"),
+        ("qkv_fprop.method", "only overlaps reduce-scatter"),
+    ),
+    (
+        "yaml: bulk on a reduce-scatter GEMM",
+        lambda: yaml_error("fc2_fprop:\n  method: bulk\n"),
+        ("fc2_fprop.method", "allowed methods"),
+    ),
+    (
+        "yaml: num_sm not an integer",
+        lambda: yaml_error("fc2_fprop:\n  method: pipeline\n  num_sm: many\n"),
+        ("fc2_fprop.num_sm", "must be an integer"),
+    ),
+    (
+        "yaml: num_sm < 1",
+        lambda: yaml_error("fc2_fprop:\n  method: pipeline\n  num_sm: -1\n"),
+        ("fc2_fprop.num_sm", ">= 1"),
+    ),
+    (
+        "yaml: num_sm above the SM count",
+        lambda: yaml_error("fc2_fprop:\n  method: pipeline\n  num_sm: 400\n"),
+        ("fc2_fprop.num_sm = 400", "SM count (132)"),
+    ),
+    (
+        "yaml: num_splits < 1",
+        lambda: yaml_error("fc2_fprop:\n  method: pipeline\n  num_splits: 0\n"),
+        ("fc2_fprop.num_splits", ">= 1"),
+    ),
+    (
+        "yaml: atomic_gemm without FP8",
+        lambda: yaml_error("fc2_fprop:\n  method: pipeline\n  atomic_gemm: true\n"),
+        ("fc2_fprop.atomic_gemm", "only with FP8"),
+    ),
+    (
+        "yaml: boolean knob given a word",
+        lambda: yaml_error("qkv_fprop:\n  method: ring_exchange\n  aggregate: maybe\n"),
+        ("qkv_fprop.aggregate", "boolean"),
+    ),
+    (
+        "yaml: wgrad entry beside a reduce-scatter dgrad",
+        lambda: yaml_error("qkv_dgrad:\n  method: ring_exchange\nqkv_wgrad:\n  method: bulk\n"),
+        ("qkv_wgrad", "no entry allowed when qkv_dgrad"),
+    ),
+    (
+        "yaml: truncated file",
+        lambda: yaml_error("qkv_fprop:\n  method: [ring_exchange\n"),
+        ("ub.yaml:3", "malformed YAML"),
+    ),
+    (
+        "yaml: a list instead of a mapping",
+        lambda: yaml_error("- qkv_fprop\n- fc1_fprop\n"),
+        ("<top level>", "must be a mapping"),
+    ),
+    (
+        "yaml: an entry that is not a mapping",
+        lambda: yaml_error("qkv_fprop: ring_exchange\n"),
+        ("qkv_fprop", "mapping of knob"),
+    ),
+    (
+        "yaml: duplicate GEMM entry",
+        lambda: yaml_error("qkv_fprop:\n  method: bulk\nqkv_fprop:\n  method: ring_exchange\n"),
+        ("ub.yaml:3", "duplicate GEMM entry"),
+    ),
     ("yaml: tab indentation", lambda: yaml_error("qkv_fprop:\n\tmethod: bulk\n"), ("ub.yaml:2", "malformed YAML")),
     # --- Hydra overrides of the main job ---
-    ("hydra: typo in a key", lambda: hydra_error("tp_overlap.budget_iter=5"),
-     ("tp_overlap.budget_iter", "valid keys of tp_overlap", "budget_s")),
+    (
+        "hydra: typo in a key",
+        lambda: hydra_error("tp_overlap.budget_iter=5"),
+        ("tp_overlap.budget_iter", "valid keys of tp_overlap", "seconds"),
+    ),
     ("hydra: unknown model", lambda: hydra_error("model=llama4"), ("model 'llama4'", "llama3_8b")),
     ("hydra: unknown tp_overlap mode", lambda: hydra_error("tp_overlap=fast"), ("tp_overlap 'fast'", "autotune")),
     ("hydra: wrong type", lambda: hydra_error("parallel.tp=abc"), ("parallel.tp",)),
-    ("hydra: unsupported precision", lambda: hydra_error("training.precision=fp16"), ("training.precision", "bf16 or fp8")),
-    ("hydra: negative budget", lambda: hydra_error("tp_overlap.budget_s=-3"), ("tp_overlap.budget_s", "> 0")),
-    ("hydra: TP does not divide the GPUs", lambda: hydra_error("parallel.tp=3"), ("parallel.tp x parallel.pp = 3", "divide")),
+    (
+        "hydra: unsupported precision",
+        lambda: hydra_error("training.precision=fp16"),
+        ("training.precision", "must be one of bf16, fp8"),
+    ),
+    ("hydra: negative budget", lambda: hydra_error("tp_overlap.seconds=-3"), ("tp_overlap.seconds", "> 0")),
+    (
+        "hydra: TP does not divide the GPUs",
+        lambda: hydra_error("parallel.tp=3"),
+        ("parallel.tp x parallel.pp = 3", "divide"),
+    ),
     ("hydra: TP=1 with overlap", lambda: hydra_error("parallel.tp=1"), ("parallel.tp >= 2", "tp_overlap=off")),
-    ("hydra: no sequence parallelism", lambda: hydra_error("parallel.sequence_parallel=false"),
-     ("sequence_parallel=true",)),
-    ("hydra: unknown NeMo preset", lambda: hydra_error("tp_overlap=preset", "tp_overlap.preset=nope"), ("tp_overlap.preset = 'nope'", "valid")),
-    ("hydra: missing overlap file", lambda: hydra_error("tp_overlap=file", "tp_overlap.file=/nonexistent.yaml"),
-     ("tp_overlap.file", "cannot read")),
-    ("hydra: heads not divisible by TP", lambda: hydra_error("model.num_attention_heads=30"),
-     ("model.num_attention_heads = 30", "divisible by parallel.tp")),
-    ("hydra: batch not a multiple of micro-batch x DP", lambda: hydra_error("training.micro_batch_size=3"),
-     ("training.global_batch_size", "multiple of micro_batch_size")),
-    ("hydra: unwritable output folder", lambda: hydra_error(f"output.root={UNWRITABLE}"), ("output.root", "cannot write", "not a folder")),
-    ("hydra: unwritable cache folder", lambda: hydra_error(f"tp_overlap.cache_dir={UNWRITABLE}"), ("tp_overlap.cache_dir", "cannot write")),
+    (
+        "hydra: no sequence parallelism",
+        lambda: hydra_error("parallel.sequence_parallel=false"),
+        ("sequence_parallel=true",),
+    ),
+    (
+        "hydra: unknown NeMo preset",
+        lambda: hydra_error("tp_overlap=preset", "tp_overlap.preset=nope"),
+        ("tp_overlap.preset = 'nope'", "valid"),
+    ),
+    (
+        "hydra: missing overlap file",
+        lambda: hydra_error("tp_overlap=file", "tp_overlap.file=/nonexistent.yaml"),
+        ("tp_overlap.file", "cannot read"),
+    ),
+    (
+        "hydra: heads not divisible by TP",
+        lambda: hydra_error("model.num_attention_heads=30"),
+        ("model.num_attention_heads = 30", "divisible by parallel.tp"),
+    ),
+    (
+        "hydra: batch not a multiple of micro-batch x DP",
+        lambda: hydra_error("training.micro_batch_size=3"),
+        ("training.global_batch_size", "multiple of micro_batch_size"),
+    ),
+    (
+        "hydra: unwritable output folder",
+        lambda: hydra_error(f"output.root={UNWRITABLE}"),
+        ("output.root", "cannot write", "not a folder"),
+    ),
+    (
+        "hydra: unwritable cache folder",
+        lambda: hydra_error(f"tp_overlap.cache_dir={UNWRITABLE}"),
+        ("tp_overlap.cache_dir", "cannot write"),
+    ),
     # --- Megatron flags ---
-    ("megatron: autotune without --tp-comm-overlap", lambda: megatron_error(tp_comm_overlap=False), ("needs --tp-comm-overlap",)),
-    ("megatron: no --sequence-parallel", lambda: megatron_error(sequence_parallel=False), ("needs --sequence-parallel",)),
+    (
+        "megatron: autotune without --tp-comm-overlap",
+        lambda: megatron_error(tp_comm_overlap=False),
+        ("needs --tp-comm-overlap",),
+    ),
+    (
+        "megatron: no --sequence-parallel",
+        lambda: megatron_error(sequence_parallel=False),
+        ("needs --sequence-parallel",),
+    ),
     ("megatron: TP=1", lambda: megatron_error(tensor_model_parallel_size=1), ("--tensor-model-parallel-size >= 2",)),
     ("megatron: Transformer Engine missing", lambda: megatron_error(te_available=False), ("needs Transformer Engine",)),
-    ("megatron: local transformer implementation", lambda: megatron_error(transformer_impl="local"), ("--transformer-impl",)),
+    (
+        "megatron: local transformer implementation",
+        lambda: megatron_error(transformer_impl="local"),
+        ("--transformer-impl",),
+    ),
     ("megatron: fp16 with overlap", lambda: megatron_error(fp16=True), ("--fp16", "adds in bf16", "use --bf16")),
-    ("bench: TE reduce-scatter in fp16", lambda: __import__("megatron_tp_overlap.bench", fromlist=["x"]).backend_support(
-        "te_ring", "float16", "rs") or "", ("fp16 sums come out wrong",)),
+    (
+        "bench: TE reduce-scatter in fp16",
+        lambda: (
+            __import__("megatron_tp_overlap.tools.bench", fromlist=["x"]).backend_support("te_ring", "float16", "rs")
+            or ""
+        ),
+        ("fp16 sums come out wrong",),
+    ),
     ("megatron: zero step budget", lambda: megatron_error(tp_comm_overlap_autotune_steps=0), ("-steps = 0", ">= 1")),
-    ("megatron: unwritable output", lambda: megatron_error(tp_comm_overlap_autotune_output=f"{UNWRITABLE}/t.yaml"),
-     ("-output", "cannot write")),
+    (
+        "megatron: unwritable output",
+        lambda: megatron_error(tp_comm_overlap_autotune_output=f"{UNWRITABLE}/t.yaml"),
+        ("-output", "cannot write"),
+    ),
     # --- the example's launch ---
-    ("example: one GPU per TP group", lambda: example_error(["--num-replicas", "4"]), ("tensor parallelism needs >= 2",)),
-    ("example: world not divisible by replicas", lambda: example_error(["--num-replicas", "3"]), ("not divisible by --num-replicas 3",)),
-    ("example: no multicast and no UB_SKIPMC", lambda: example_error([], env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"}), ("UB_SKIPMC=1",)),
+    (
+        "example: one GPU per TP group",
+        lambda: example_error(["--num-replicas", "4"]),
+        ("tensor parallelism needs >= 2",),
+    ),
+    (
+        "example: world not divisible by replicas",
+        lambda: example_error(["--num-replicas", "3"]),
+        ("not divisible by --num-replicas 3",),
+    ),
+    (
+        "example: no multicast and no UB_SKIPMC",
+        lambda: example_error([], env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"}),
+        ("UB_SKIPMC=1",),
+    ),
     # --- kernel bench shapes ---
     ("bench: a single GPU", lambda: bench_error("ag", 1024, 12288, 49152, 1), ("needs >= 2 GPUs",)),
-    ("bench: M not divisible by TP", lambda: bench_error("ag", 1000, 12288, 49152, 3), ("M = 1000", "divisible by the TP size 3")),
+    (
+        "bench: M not divisible by TP",
+        lambda: bench_error("ag", 1000, 12288, 49152, 3),
+        ("M = 1000", "divisible by the TP size 3"),
+    ),
 ]
 
 
@@ -149,22 +298,9 @@ def test_bad_input_is_refused_with_key_and_rule(name, produce, needles):
         assert n in message, f"{name}: {n!r} not in {message!r}"
 
 
-def test_corrupt_cache_entry_warns_and_falls_back(tmp_path):
-    from megatron_tp_overlap.cache import CacheKey, TunedConfigCache
-    from megatron_tp_overlap.ub_config import UbConfig
-    cache = TunedConfigCache(tmp_path)
-    key = CacheKey("NVIDIA H200", 4, 8192, 4096, 14336, 32, "bf16", "2.20.2")
-    cache.put(key, UbConfig(), {"date": "x"})
-    for f in tmp_path.glob("*.yaml"):
-        f.write_text("qkv_fprop:\n  method: [\n")  # truncated by a crash
-    with warnings.catch_warnings(record=True) as w:
-        warnings.simplefilter("always")
-        assert cache.get(key) is None  # re-tune instead of failing
-    assert any("corrupt" in str(x.message) for x in w)
-
-
 def test_a_refused_yaml_leaves_the_users_file_as_it_was(tmp_path):
-    from megatron_tp_overlap.validation import load_and_validate
+    from megatron_tp_overlap.ub.rules import load_and_validate
+
     f = tmp_path / "ub.yaml"
     text = "fc2_fprop:\n  method: bulk\n"
     f.write_text(text)

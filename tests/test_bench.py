@@ -1,16 +1,56 @@
 """bench: arguments, shape checks, metrics arithmetic, report and plot (the kernels run on GPUs)."""
+
 import pytest
 
-from megatron_tp_overlap.bench import Metrics, Row, backend_support, check_shape, flops_per_gpu, main, parse_args, plot_sweep, render
+from megatron_tp_overlap.tools.bench import (
+    Metrics,
+    Row,
+    backend_support,
+    check_shape,
+    flops_per_gpu,
+    main,
+    parse_args,
+    plot_sweep,
+    render,
+)
 
 
 def test_args():
-    a = parse_args(["ag", "1024", "12288", "49152", "--dtype", "float16", "--iters", "10", "--num-sm", "8,16",
-                    "--sweep-m", "1024,2048", "--backends", "nccl,te_ring"])
-    assert (a.op, a.M, a.N, a.K, a.dtype, a.num_sm, a.sweep_m, a.backends) == \
-        ("ag", 1024, 12288, 49152, "float16", [8, 16], [1024, 2048], ["nccl", "te_ring"])
-    for bad in (["ag", "1", "2"], ["xx", "1", "2", "3"], ["rs", "8", "8", "8", "--backends", "nccl,magic"],
-                ["rs", "8", "8", "8", "--iters", "0"], ["rs", "8", "8", "8", "--dtype", "int8"]):
+    a = parse_args(
+        [
+            "ag",
+            "1024",
+            "12288",
+            "49152",
+            "--dtype",
+            "float16",
+            "--iters",
+            "10",
+            "--num-sm",
+            "8,16",
+            "--sweep-m",
+            "1024,2048",
+            "--backends",
+            "nccl,te_ring",
+        ]
+    )
+    assert (a.op, a.M, a.N, a.K, a.dtype, a.num_sm, a.sweep_m, a.backends) == (
+        "ag",
+        1024,
+        12288,
+        49152,
+        "float16",
+        [8, 16],
+        [1024, 2048],
+        ["nccl", "te_ring"],
+    )
+    for bad in (
+        ["ag", "1", "2"],
+        ["xx", "1", "2", "3"],
+        ["rs", "8", "8", "8", "--backends", "nccl,magic"],
+        ["rs", "8", "8", "8", "--iters", "0"],
+        ["rs", "8", "8", "8", "--dtype", "int8"],
+    ):
         with pytest.raises(SystemExit):
             parse_args(bad)
 
@@ -28,7 +68,10 @@ def test_shape_checks():
 def test_backend_support():
     assert "TE userbuffers" in backend_support("te_ring", "float32")
     assert backend_support("te_pipeline", "bfloat16") is None and backend_support("nccl", "float32") is None
-    assert "adds in bf16" in backend_support("te_ring", "float16", "rs") and backend_support("te_ring", "float16", "ag") is None
+    assert (
+        "adds in bf16" in backend_support("te_ring", "float16", "rs")
+        and backend_support("te_ring", "float16", "ag") is None
+    )
     assert backend_support("nccl", "float16", "rs") is None
 
 
@@ -42,18 +85,23 @@ def test_metrics():
 
 
 def test_render_and_plot(tmp_path):
-    rows = [Row("nccl", "all_gather then matmul", Metrics.of(1.5, 1.0, 0.5, 1e12), 0.01, 1e-3, 0.02),
-            Row("flux", "", None, None, None, None, "unavailable: flux does not import")]
+    rows = [
+        Row("nccl", "all_gather then matmul", Metrics.of(1.5, 1.0, 0.5, 1e12), 0.01, 1e-3, 0.02),
+        Row("flux", "", None, None, None, None, "unavailable: flux does not import"),
+    ]
     text = render(rows, "AG M=4096")
     assert "| nccl | all_gather then matmul | 1.500 | 1.000 | 0.500 | 0.500 | 0.00 |" in text and "unavailable" in text
-    png = plot_sweep({1024: rows, 2048: [Row("nccl", "x", Metrics.of(2.5, 2.0, 1.0, 1e12), 0.0, 0.0, 0.0)]}, tmp_path / "s.png", "t")
+    png = plot_sweep(
+        {1024: rows, 2048: [Row("nccl", "x", Metrics.of(2.5, 2.0, 1.0, 1e12), 0.0, 0.0, 0.0)]}, tmp_path / "s.png", "t"
+    )
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
 def test_without_gpus_the_command_says_so(capsys):
     assert main(["ag", "1024", "12288", "49152"]) == 2
     assert "needs >= 2 GPUs" in capsys.readouterr().err
-    from megatron_tp_overlap.cli import main as cli
+    from megatron_tp_overlap.tools.cli import main as cli
+
     assert cli(["bench", "rs", "1024", "49152", "12288"]) == 2
 
 

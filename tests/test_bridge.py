@@ -1,6 +1,7 @@
 """Megatron-Bridge integration, on CPU: Bridge's modules (which need TE to import) are replaced by
 stand-ins with the same names and signatures (megatron.bridge 0.6: ``training.comm_overlap.
 CommOverlapConfig``, ``training.pretrain.train``, ``training.utils.train_utils.prepare_forward_step_func``)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,8 +29,17 @@ class CommOverlapConfig:  # the fields of Bridge 0.6's, enough for the subclass
 def bridge(monkeypatch):
     calls = {}
 
-    def train(forward_step_func, model, optimizer, scheduler, train_data_iterator, valid_data_iterator, global_state,
-              *rest, **kw):
+    def train(
+        forward_step_func,
+        model,
+        optimizer,
+        scheduler,
+        train_data_iterator,
+        valid_data_iterator,
+        global_state,
+        *rest,
+        **kw,
+    ):
         calls["train"] = train_data_iterator
         return "trained"
 
@@ -54,18 +64,39 @@ def bridge(monkeypatch):
     monkeypatch.delitem(sys.modules, "megatron_tp_overlap.integrations.bridge", raising=False)
     b = importlib.import_module("megatron_tp_overlap.integrations.bridge")
     monkeypatch.setattr(b, "_installed", False)
-    return SimpleNamespace(module=b, pretrain=mods["megatron.bridge.training.pretrain"],
-                           initialize=mods["megatron.bridge.training.initialize"], calls=calls)
+    return SimpleNamespace(
+        module=b,
+        pretrain=mods["megatron.bridge.training.pretrain"],
+        initialize=mods["megatron.bridge.training.initialize"],
+        calls=calls,
+    )
 
 
 def container(tmp_path, overlap, tp=2, **model):
-    m = dict(tp_comm_overlap=True, sequence_parallel=True, tensor_model_parallel_size=tp, context_parallel_size=1,
-             seq_length=8192, hidden_size=4096, ffn_hidden_size=14336, num_attention_heads=32, num_query_groups=8,
-             fp8=None, fp16=False, bf16=True, tp_comm_bootstrap_backend="nccl", tp_comm_overlap_rs_dgrad=False,
-             tp_comm_overlap_cfg=None)
+    m = dict(
+        tp_comm_overlap=True,
+        sequence_parallel=True,
+        tensor_model_parallel_size=tp,
+        context_parallel_size=1,
+        seq_length=8192,
+        hidden_size=4096,
+        ffn_hidden_size=14336,
+        num_attention_heads=32,
+        num_query_groups=8,
+        fp8=None,
+        fp16=False,
+        bf16=True,
+        tp_comm_bootstrap_backend="nccl",
+        tp_comm_overlap_rs_dgrad=False,
+        tp_comm_overlap_cfg=None,
+    )
     m.update(model)
-    return SimpleNamespace(model=SimpleNamespace(**m), train=SimpleNamespace(micro_batch_size=1),
-                           checkpoint=SimpleNamespace(save=str(tmp_path)), comm_overlap=overlap)
+    return SimpleNamespace(
+        model=SimpleNamespace(**m),
+        train=SimpleNamespace(micro_batch_size=1),
+        checkpoint=SimpleNamespace(save=str(tmp_path)),
+        comm_overlap=overlap,
+    )
 
 
 def test_the_config_is_bridges_own_plus_the_options(bridge):
@@ -78,12 +109,15 @@ def test_the_config_is_bridges_own_plus_the_options(bridge):
     assert c.user_comm_overlap_cfg == {"tp_comm_overlap": True}  # Bridge's finalize still runs
 
 
-@pytest.mark.parametrize("kw, needle", [
-    (dict(tp_comm_overlap=False), "needs comm_overlap.tp_comm_overlap=true"),
-    (dict(tp_comm_overlap=True, tp_comm_overlap_autotune_steps=0), "tp_comm_overlap_autotune_steps = 0"),
-    (dict(tp_comm_overlap=True, tp_comm_overlap_autotune_seconds=-5), "tp_comm_overlap_autotune_seconds = -5"),
-    (dict(tp_comm_overlap=True, tp_comm_overlap_autotune_strategy="random"), "must be one of coordinate"),
-])
+@pytest.mark.parametrize(
+    "kw, needle",
+    [
+        (dict(tp_comm_overlap=False), "needs comm_overlap.tp_comm_overlap=true"),
+        (dict(tp_comm_overlap=True, tp_comm_overlap_autotune_steps=0), "tp_comm_overlap_autotune_steps = 0"),
+        (dict(tp_comm_overlap=True, tp_comm_overlap_autotune_seconds=-5), "tp_comm_overlap_autotune_seconds = -5"),
+        (dict(tp_comm_overlap=True, tp_comm_overlap_autotune_strategy="random"), "must be one of coordinate"),
+    ],
+)
 def test_bad_options_are_refused_when_bridge_finalizes(bridge, kw, needle):
     c = bridge.module.AutotuneCommOverlapConfig(**kw)
     with pytest.raises(ValueError, match=needle):
@@ -91,84 +125,101 @@ def test_bad_options_are_refused_when_bridge_finalizes(bridge, kw, needle):
     assert bridge.module.AutotuneCommOverlapConfig(**{**kw, "tp_comm_overlap_autotune": False}).problems() == []
 
 
-def test_megatron_argument_names_from_a_bridge_container(bridge, tmp_path):
-    from megatron_tp_overlap.integrations.megatron import check_arguments, tuning_key
+def test_the_run_shape_comes_from_the_model_provider(bridge, tmp_path):
+    from megatron_tp_overlap.integrations.megatron.run_shape import RunShape
+
     c = bridge.module.AutotuneCommOverlapConfig(tp_comm_overlap=True, tp_comm_overlap_autotune_seconds=30)
-    args = bridge.module.megatron_args(container(tmp_path, c), c, None)
-    args.tp_comm_overlap_autotune_output = str(tmp_path / "t.yaml")
-    assert check_arguments(args) == []
-    assert args.tp_comm_overlap_autotune_seconds == 30 and args.group_query_attention and args.micro_batch_size == 1
-    assert tuning_key(args, "NVIDIA H200", "2.20.2")["kv_groups"] == 8
-    bad = bridge.module.megatron_args(container(tmp_path, c, tp=1, fp16=True, bf16=False, sequence_parallel=False), c, None)
-    bad.tp_comm_overlap_autotune_output = str(tmp_path / "t.yaml")
-    text = "\n".join(check_arguments(bad))
+    cfg = container(tmp_path, c)
+    run = RunShape.from_transformer_config(cfg.model, cfg.train.micro_batch_size)
+    assert (run.tp, run.kv_groups, run.micro_batch_size, run.dtype) == (2, 8, 1, "bf16") and run.problems() == []
+    assert c.tune_options.seconds == 30
+    bad = container(tmp_path, c, tp=1, fp16=True, bf16=False, sequence_parallel=False).model
+    text = "\n".join(RunShape.from_transformer_config(bad, 1).problems())
     assert "--tensor-model-parallel-size >= 2" in text and "--sequence-parallel" in text and "--fp16" in text
 
 
-def test_the_runs_dataclass_config_becomes_the_reference_yaml(bridge, tmp_path):
-    from megatron_tp_overlap.integrations.layer_cfg import BulkOverlapCfg, PipelineOverlapCfg, RingExchangeOverlapCfg, TransformerLayerTPOverlapCfg, as_ub_cfgs
-    from megatron_tp_overlap.presets import PRESETS
-    from megatron_tp_overlap.ub_config import load_yaml
+def test_the_runs_dataclass_config_is_the_reference(bridge, tmp_path):
+    from megatron_tp_overlap.ub.config import UbConfig, dumps_yaml
+    from megatron_tp_overlap.ub.layer_cfg import (
+        BulkOverlapCfg,
+        PipelineOverlapCfg,
+        RingExchangeOverlapCfg,
+        TransformerLayerTPOverlapCfg,
+        as_ub_cfgs,
+        reference_config,
+    )
+    from megatron_tp_overlap.ub.presets import PRESETS
+
     ring = RingExchangeOverlapCfg()
-    layer = TransformerLayerTPOverlapCfg(BulkOverlapCfg(4, 2, False), BulkOverlapCfg(24, 2, False), BulkOverlapCfg(2, 2, False),
-                                         BulkOverlapCfg(4, 2, False), ring, ring, ring, ring,
-                                         PipelineOverlapCfg(24, 2, 4, True), PipelineOverlapCfg(16, 2, 4, True))
-    model = SimpleNamespace(tp_comm_overlap_cfg=as_ub_cfgs(layer))  # what CommOverlapConfig.setup leaves there
-    path = bridge.module.reference_yaml(model, tmp_path / "tuned.yaml")
-    assert load_yaml(path) == PRESETS["userbuffers_bf16_h100_h8192_tp4_mbs1_seqlen8192"]
-    assert bridge.module.reference_yaml(SimpleNamespace(tp_comm_overlap_cfg="/x/ub.yaml"), tmp_path / "t.yaml") == "/x/ub.yaml"
-    assert bridge.module.reference_yaml(SimpleNamespace(tp_comm_overlap_cfg=None), tmp_path / "t.yaml") is None
+    layer = TransformerLayerTPOverlapCfg(
+        BulkOverlapCfg(4, 2, False),
+        BulkOverlapCfg(24, 2, False),
+        BulkOverlapCfg(2, 2, False),
+        BulkOverlapCfg(4, 2, False),
+        ring,
+        ring,
+        ring,
+        ring,
+        PipelineOverlapCfg(24, 2, 4, True),
+        PipelineOverlapCfg(16, 2, 4, True),
+    )
+    want = PRESETS["userbuffers_bf16_h100_h8192_tp4_mbs1_seqlen8192"]
+    assert reference_config(as_ub_cfgs(layer)) == want  # what CommOverlapConfig.setup leaves on the model config
+    assert reference_config(layer) == want
+    (tmp_path / "ub.yaml").write_text(dumps_yaml(want))
+    assert reference_config(str(tmp_path / "ub.yaml")) == want and reference_config(None) == UbConfig()
 
 
 def test_the_hook_tunes_then_hands_bridge_the_same_iterator_and_the_tuned_config(bridge, tmp_path, monkeypatch):
-    import torch.distributed as dist
-    from megatron_tp_overlap.integrations import megatron as mlm
-    from megatron_tp_overlap.ub_config import parse_ub_cfgs
+
+    from megatron_tp_overlap.integrations.megatron import tuning
+    from megatron_tp_overlap.ub.config import UbConfig, parse_ub_cfgs
+
     seen = {}
 
-    class FakeCallback:
-        def __init__(self, args):
-            seen["args"] = args
-            self.result = None
+    def fake_tune(model, fwd, optimizer, it, run, options, reference, output, **kw):
+        seen.update(fwd=fwd, run=run, options=options, reference=reference, output=output)
+        ub = parse_ub_cfgs({"fc2_fprop": {"method": "ring_exchange"}})
+        return SimpleNamespace(config=SimpleNamespace(ub=ub), data_iterator=["replayed", it])
 
-        def __call__(self, fwd, model, optimizer, it):
-            seen["fwd"] = fwd
-            self.result = SimpleNamespace(best=SimpleNamespace(ub=parse_ub_cfgs({"fc2_fprop": {"method": "ring_exchange"}})))
-            return ["replayed", it]
-
-    monkeypatch.setattr(mlm, "TPOverlapAutotuneCallback", FakeCallback)
-    monkeypatch.setattr(dist, "get_rank", lambda *a: 0)
-    monkeypatch.setattr(dist, "broadcast_object_list", lambda objs, src=0: None)
-    c = bridge.module.AutotuneCommOverlapConfig(tp_comm_overlap=True)
+    monkeypatch.setattr(tuning, "tune", fake_tune)
+    c = bridge.module.AutotuneCommOverlapConfig(tp_comm_overlap=True, tp_comm_overlap_autotune_steps=77)
     state = SimpleNamespace(cfg=container(tmp_path, c))
-    out = bridge.pretrain.train("fwd", ["model"], "opt", "sched", "it", None, state, "ckpt", "pg", callback_manager=None)
+    out = bridge.pretrain.train(
+        "fwd", ["model"], "opt", "sched", "it", None, state, "ckpt", "pg", callback_manager=None
+    )
     assert out == "trained" and bridge.calls["train"] == ["replayed", "it"]
-    assert seen["fwd"] == ("wrapped", "fwd") and seen["args"].tp_comm_overlap_autotune_output == str(tmp_path / "tp_comm_overlap_tuned.yaml")
+    assert seen["fwd"] == ("wrapped", "fwd") and seen["output"] == tmp_path / "tp_comm_overlap_tuned.yaml"
+    assert seen["options"].steps == 77 and seen["run"].tp == 2 and seen["reference"] == UbConfig()
     assert state.cfg.model.tp_comm_overlap_cfg == str(tmp_path / "tp_comm_overlap_tuned.yaml")
-    assert type(c.tp_comm_overlap_cfg).__name__ == "TransformerLayerTPOverlapCfg" and c.tp_comm_overlap_cfg.fc2_fprop.method == "ring_exchange"
+    assert (
+        type(c.tp_comm_overlap_cfg).__name__ == "TransformerLayerTPOverlapCfg"
+        and c.tp_comm_overlap_cfg.fc2_fprop.method == "ring_exchange"
+    )
     # a run without the autotune config is passed through untouched
     bridge.calls.clear()
     plain = SimpleNamespace(cfg=container(tmp_path, CommOverlapConfig(tp_comm_overlap=True)))
-    assert bridge.pretrain.train("fwd", [], None, None, "it", None, plain) == "trained" and bridge.calls["train"] == "it"
+    assert (
+        bridge.pretrain.train("fwd", [], None, None, "it", None, plain) == "trained" and bridge.calls["train"] == "it"
+    )
 
 
 @pytest.mark.parametrize("importable, runs_make", [(True, False), (False, True)])
 def test_bridge_skips_make_when_the_wheels_dataset_helpers_import(bridge, monkeypatch, importable, runs_make):
     """Bridge's initialize imports compile_helpers by name; a pip-installed megatron-core has the compiled
     helpers but no Makefile, so Bridge's own `make` fails (seen on the GPU image)."""
-    from megatron_tp_overlap.integrations import megatron as mlm
-    monkeypatch.setattr(mlm, "_helpers_importable", lambda: importable)
+    from megatron_tp_overlap.integrations.megatron import launcher
+
+    monkeypatch.setattr(launcher, "_helpers_importable", lambda: importable)
     bridge.module.install()
     bridge.initialize.compile_helpers()
     assert ("make" in bridge.calls) is runs_make
 
 
-def test_bridge_fields_and_megatron_flags_share_their_defaults(bridge):
-    import argparse
-    from megatron_tp_overlap.integrations import megatron as mlm
+def test_bridge_fields_are_generated_from_the_options(bridge):
+    from megatron_tp_overlap.engine.options import TuneOptions, option_fields
+
     c = bridge.module.AutotuneCommOverlapConfig(tp_comm_overlap=True)
-    flags = vars(mlm.add_arguments(argparse.ArgumentParser()).parse_args([]))
-    for k, v in mlm.AUTOTUNE_DEFAULTS.items():
-        assert getattr(c, k) == v
-        if k not in ("tp_comm_overlap_autotune",):  # the flag is off unless given; the Bridge config means "on"
-            assert flags[k] == v, k
+    ours = {f.name: f.default for f in dataclasses.fields(c) if f.name.startswith("tp_comm_overlap_autotune_")}
+    assert ours == {f"tp_comm_overlap_autotune_{f.name}": f.default for f in option_fields()}
+    assert c.tp_comm_overlap_autotune is True and c.tune_options == TuneOptions()

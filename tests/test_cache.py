@@ -1,26 +1,62 @@
+import dataclasses
 import multiprocessing as mp
 
 import pytest
 
-from megatron_tp_overlap.cache import CacheKey, TunedConfigCache
-from megatron_tp_overlap.presets import PRESETS
+from megatron_tp_overlap.engine.cache import TunedConfigCache, TuningKey
+from megatron_tp_overlap.ub.presets import PRESETS
 
-KEY = CacheKey("NVIDIA H200", 4, 8192, 4096, 14336, 32, "bf16", "2.20.2")
+KEY = TuningKey(
+    gpu="NVIDIA H200",
+    te_version="2.20.2",
+    tp=4,
+    cp=1,
+    tokens=8192,
+    hidden=4096,
+    ffn=14336,
+    heads=32,
+    kv_groups=8,
+    kv_channels=128,
+    gated_mlp=True,
+    dtype="bf16",
+    bf16_edge_layers=False,
+    rs_dgrad=False,
+    reference="0" * 12,
+    space="yaml_only",
+)
 
 
-def test_put_get_round_trip_and_keying(tmp_path):
+def test_round_trip_keeps_switched_off_gemms_and_every_key_field_matters(tmp_path):
     c = TunedConfigCache(tmp_path)
     cfg = PRESETS["userbuffers_bf16_h100_h8192_tp4_mbs1_seqlen8192"]
     assert c.get(KEY) is None
-    c.put(KEY, cfg, {"step_ms": 21.3})
-    got, meta = c.get(KEY)
-    assert got == cfg and meta["step_ms"] == 21.3
-    for other in (CacheKey(**{**KEY.__dict__, "tp": 2}), CacheKey(**{**KEY.__dict__, "te_version": "2.21.0"}),
-                  CacheKey(**{**KEY.__dict__, "gpu": "NVIDIA H100 80GB HBM3"}), CacheKey(**{**KEY.__dict__, "dtype": "fp8"})):
-        assert c.get(other) is None
+    c.put(KEY, cfg, frozenset({"qkv_wgrad"}), {"step_ms": 21.3})
+    got = c.get(KEY)
+    assert got.ub == cfg and got.disabled == {"qkv_wgrad"} and got.meta["step_ms"] == 21.3
+    changed = {
+        "gpu": "NVIDIA H100",
+        "te_version": "2.21.0",
+        "tp": 2,
+        "cp": 2,
+        "tokens": 4096,
+        "hidden": 5120,
+        "ffn": 25600,
+        "heads": 64,
+        "kv_groups": None,
+        "kv_channels": 80,
+        "gated_mlp": False,
+        "dtype": "fp8",
+        "bf16_edge_layers": True,
+        "rs_dgrad": True,
+        "reference": "1" * 12,
+        "space": "allow_off",
+    }
+    assert set(changed) == {f.name for f in dataclasses.fields(TuningKey)}  # a new key field gets a case here
+    for k, v in changed.items():
+        assert c.get(dataclasses.replace(KEY, **{k: v})) is None, k
 
 
-def test_corrupt_entries_are_ignored_with_a_warning(tmp_path):
+def test_corrupt_or_mismatched_entries_are_ignored_with_a_warning(tmp_path):
     c = TunedConfigCache(tmp_path)
     path = c.put(KEY, PRESETS["te_default"])
     path.write_text("qkv_fprop: {method: [\n")  # truncated YAML
@@ -30,13 +66,17 @@ def test_corrupt_entries_are_ignored_with_a_warning(tmp_path):
     path.with_suffix(".json").write_text("{not json")
     with pytest.warns(UserWarning, match="corrupt"):
         assert c.get(KEY) is None
+    c.put(KEY, PRESETS["te_default"])
+    path.write_text("qkv_dgrad: {method: bulk, num_sm: 2}\n")  # a YAML that is not the one its metadata describes
+    with pytest.warns(UserWarning, match="does not match"):
+        assert c.get(KEY) is None
 
 
 def _writer(root, i):
     c = TunedConfigCache(root)
     cfg = list(PRESETS.values())[i % len(PRESETS)]
     for _ in range(20):
-        c.put(KEY, cfg, {"writer": i})
+        c.put(KEY, cfg, meta={"writer": i})
 
 
 def test_concurrent_writers_leave_a_valid_entry(tmp_path):
@@ -46,6 +86,6 @@ def test_concurrent_writers_leave_a_valid_entry(tmp_path):
     for p in procs:
         p.join(60)
         assert p.exitcode == 0
-    cfg, meta = TunedConfigCache(tmp_path).get(KEY)
-    assert cfg == list(PRESETS.values())[meta["writer"] % len(PRESETS)]  # yaml and json from the same writer
+    got = TunedConfigCache(tmp_path).get(KEY)
+    assert got.ub == list(PRESETS.values())[got.meta["writer"] % len(PRESETS)]  # yaml and json from the same writer
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".") and p.name != ".lock"]  # no temp files left

@@ -1,7 +1,8 @@
 import json
 
-from megatron_tp_overlap.cli import main
 from test_trace import trace
+
+from megatron_tp_overlap.tools.cli import main
 
 
 def test_validate(tmp_path, capsys):

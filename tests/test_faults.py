@@ -1,16 +1,18 @@
 """Fault injection: every kind is caught at the trial boundary, recorded, and tuning goes on with the
 best valid config; with the fault on one rank only, both ranks still take the same decisions."""
+
 import json
 import os
 
+import fakes
 import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-import fakes
-from megatron_tp_overlap import faults, ub_runtime
-from megatron_tp_overlap.search import SearchOptions
 from test_tuner_cpu import make_tuner
+
+from megatron_tp_overlap.engine import faults
+from megatron_tp_overlap.engine import switcher as ub_runtime
+from megatron_tp_overlap.engine.search import SearchOptions
 
 WINNER = "fc2_fprop: pipeline sm=8 cga=2 splits=4"  # the designed optimum of fakes.gemm_cost_ms
 
@@ -25,8 +27,9 @@ def test_parse():
     assert faults.parse("") == [] and faults.parse(None) == []
 
 
-@pytest.mark.parametrize("kind, reason", [("init", "raised"), ("step", "raised"), ("nan", "non-finite"),
-                                          ("timeout", "trial timeout")])
+@pytest.mark.parametrize(
+    "kind, reason", [("init", "raised"), ("step", "raised"), ("nan", "non-finite"), ("timeout", "trial timeout")]
+)
 def test_each_fault_is_survived_and_reported(fake_te, kind, reason):
     tuner, _ = make_tuner(faults=faults.parse(f"{kind}:{WINNER}"), trial_timeout_s=1.0)
     res = tuner.tune()
@@ -39,14 +42,19 @@ def test_each_fault_is_survived_and_reported(fake_te, kind, reason):
 
 def _rank(rank, init, out):
     import datetime
+
     import torch
+
     # A hang (a rank left waiting in a collective) becomes an error after 60 s instead of 30 min.
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60)
+    )
     te = fakes.FakeTE()
     fakes.STATE = te
     ub_runtime._te_base = lambda: te
-    tuner, _ = make_tuner(faults=faults.parse(f"rank=1/step:{WINNER}"), options=SearchOptions(max_seconds=60, max_steps=3000))
+    tuner, _ = make_tuner(
+        faults=faults.parse(f"rank=1/step:{WINNER}"), options=SearchOptions(max_seconds=60, max_steps=3000)
+    )
     local_step = tuner.step_fn
 
     def step():  # like a TP step: the ranks meet in collectives inside every step

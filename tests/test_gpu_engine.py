@@ -1,4 +1,5 @@
 """GPU tests (``pytest -m gpu`` on a machine with >= 2 GPUs, TE and torchrun); skipped elsewhere."""
+
 import json
 import subprocess
 import sys
@@ -20,14 +21,33 @@ def _need_gpus(n: int) -> None:
 
 def test_engine_tunes_switches_and_matches_no_overlap(tmp_path):
     _need_gpus(2)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", str(ROOT / "benchmarks/engine_tune.py"),
-           "--layers", "2", "--seq", "4096", "--budget-s", "20", "--timing-steps", "5", "--timing-rounds", "1",
-           "--extra-switches", "20", "--out", str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=2",
+        str(ROOT / "benchmarks/engine_tune.py"),
+        "--layers",
+        "2",
+        "--seq",
+        "4096",
+        "--budget-s",
+        "20",
+        "--timing-steps",
+        "5",
+        "--timing-rounds",
+        "1",
+        "--extra-switches",
+        "20",
+        "--out",
+        str(tmp_path),
+    ]
     subprocess.run(cmd, check=True, timeout=600, cwd=ROOT)
     d = json.loads((tmp_path / "engine_tp2.json").read_text())
     assert d["numerics"]["passed"], d["numerics"]["worst"]
     assert d["extra_switches"] >= 20 and d["tuning_switches"] >= 1
     assert d["stale_guard"]["refused"], "a switch with a live autograd graph must be refused"
     assert d["stale_guard"]["numerics_after"]["dgrad_input"] <= d["numerics"]["rtol"]
-    from megatron_tp_overlap.validation import load_and_validate, ValidationContext
+    from megatron_tp_overlap.ub.rules import ValidationContext, load_and_validate
+
     load_and_validate(tmp_path / "engine_tp2_tuned.yaml", ValidationContext(tp_size=2))

@@ -1,4 +1,5 @@
 """NeMo 2 / Megatron-Bridge overlap dataclasses <-> UbConfig."""
+
 from __future__ import annotations
 
 import ast
@@ -9,12 +10,18 @@ from pathlib import Path
 import pytest
 
 from megatron_tp_overlap.errors import ConfigError
-from megatron_tp_overlap.integrations.layer_cfg import (
-    BulkOverlapCfg, LayerCfgClasses, PipelineOverlapCfg, RingExchangeOverlapCfg, TransformerLayerTPOverlapCfg,
-    as_ub_cfgs, from_layer_cfg, to_layer_cfg,
+from megatron_tp_overlap.ub.config import GemmOverlapConfig, UbConfig, parse_ub_cfgs, te_default
+from megatron_tp_overlap.ub.layer_cfg import (
+    BulkOverlapCfg,
+    LayerCfgClasses,
+    PipelineOverlapCfg,
+    RingExchangeOverlapCfg,
+    TransformerLayerTPOverlapCfg,
+    as_ub_cfgs,
+    from_layer_cfg,
+    to_layer_cfg,
 )
-from megatron_tp_overlap.presets import PRESETS
-from megatron_tp_overlap.ub_config import GemmOverlapConfig, UbConfig, parse_ub_cfgs, te_default
+from megatron_tp_overlap.ub.presets import PRESETS
 
 MIRROR = LayerCfgClasses()
 
@@ -26,9 +33,13 @@ def bf16_h100_h8192_tp4():  # NeMo's userbuffers_bf16_h100_h8192_tp4_mbs1_seqlen
         qkv_wgrad=BulkOverlapCfg(num_sm=24, cga_size=2, set_sm_margin=False),
         fc1_dgrad=BulkOverlapCfg(num_sm=2, cga_size=2, set_sm_margin=False),
         fc1_wgrad=BulkOverlapCfg(num_sm=4, cga_size=2, set_sm_margin=False),
-        qkv_fprop=ring, proj_dgrad=ring, fc1_fprop=ring, fc2_dgrad=ring,
+        qkv_fprop=ring,
+        proj_dgrad=ring,
+        fc1_fprop=ring,
+        fc2_dgrad=ring,
         proj_fprop=PipelineOverlapCfg(num_sm=24, cga_size=2, num_splits=4, set_sm_margin=True),
-        fc2_fprop=PipelineOverlapCfg(num_sm=16, cga_size=2, num_splits=4, set_sm_margin=True))
+        fc2_fprop=PipelineOverlapCfg(num_sm=16, cga_size=2, num_splits=4, set_sm_margin=True),
+    )
 
 
 def test_from_nemo_reads_the_truthy_fp8_buf_default_as_te_does():
@@ -97,13 +108,31 @@ def test_the_presets_match_megatron_bridges_own_definitions():
     if src is None:
         pytest.skip("megatron-bridge is not installed here")
     tree = ast.parse(src.read_text())
-    keep = [n for n in tree.body if (isinstance(n, ast.ClassDef) and n.name.endswith("OverlapCfg")) or
-            (isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id.startswith("userbuffers_") for t in n.targets))]
+    keep = [
+        n
+        for n in tree.body
+        if (isinstance(n, ast.ClassDef) and n.name.endswith("OverlapCfg"))
+        or (
+            isinstance(n, ast.Assign)
+            and any(isinstance(t, ast.Name) and t.id.startswith("userbuffers_") for t in n.targets)
+        )
+    ]
     ns: dict = {}
-    exec(compile(ast.Module(body=[ast.parse("from dataclasses import dataclass").body[0], *keep], type_ignores=[]),
-                 str(src), "exec"), ns)
-    real = LayerCfgClasses(ns["TransformerLayerTPOverlapCfg"], ns["BulkOverlapCfg"], ns["RingExchangeOverlapCfg"],
-                           ns["PipelineOverlapCfg"], "Megatron-Bridge source")
+    exec(
+        compile(
+            ast.Module(body=[ast.parse("from dataclasses import dataclass").body[0], *keep], type_ignores=[]),
+            str(src),
+            "exec",
+        ),
+        ns,
+    )
+    real = LayerCfgClasses(
+        ns["TransformerLayerTPOverlapCfg"],
+        ns["BulkOverlapCfg"],
+        ns["RingExchangeOverlapCfg"],
+        ns["PipelineOverlapCfg"],
+        "Megatron-Bridge source",
+    )
     names = [k for k in ns if k.startswith("userbuffers_")]
     assert len(names) >= 19
     for name in names:
@@ -111,4 +140,6 @@ def test_the_presets_match_megatron_bridges_own_definitions():
     # and our dataclasses are accepted by the real classes, field for field
     made = to_layer_cfg(PRESETS["userbuffers_bf16_h100_h8192_tp4_mbs1_seqlen8192"], 4, real)
     assert type(made).__name__ == "TransformerLayerTPOverlapCfg"
-    assert from_layer_cfg(made) == from_layer_cfg(to_layer_cfg(PRESETS["userbuffers_bf16_h100_h8192_tp4_mbs1_seqlen8192"], 4, MIRROR))
+    assert from_layer_cfg(made) == from_layer_cfg(
+        to_layer_cfg(PRESETS["userbuffers_bf16_h100_h8192_tp4_mbs1_seqlen8192"], 4, MIRROR)
+    )

@@ -1,5 +1,6 @@
 """CPU tests of the Megatron integration's pure parts; parsing through Megatron's own parser runs
 where ``megatron.training`` imports (Python >= 3.12 with megatron-core; skipped on CI's 3.11)."""
+
 import argparse
 import itertools
 import sys
@@ -8,15 +9,40 @@ import pytest
 import torch
 
 from megatron_tp_overlap.integrations.megatron import (
-    ReplayIterator, StateSnapshot, add_arguments, attach_replay, check_arguments, output_path, tuning_key,
+    ReplayIterator,
+    StateSnapshot,
+    add_arguments,
+    attach_replay,
+    check_arguments,
+    output_path,
 )
+from megatron_tp_overlap.integrations.megatron.run_shape import RunShape
 
 
 def ns(**kw):
-    base = dict(tp_comm_overlap_autotune=True, tp_comm_overlap=True, sequence_parallel=True,
-                tensor_model_parallel_size=2, transformer_impl="transformer_engine", tp_comm_overlap_cfg=None,
-                tp_comm_overlap_autotune_output=None, save=None, tp_comm_overlap_autotune_steps=400,
-                tp_comm_overlap_autotune_seconds=60.0, fp8=None)
+    base = dict(
+        tp_comm_overlap_autotune=True,
+        tp_comm_overlap=True,
+        sequence_parallel=True,
+        tensor_model_parallel_size=2,
+        seq_length=8192,
+        micro_batch_size=1,
+        hidden_size=4096,
+        ffn_hidden_size=14336,
+        num_attention_heads=32,
+        group_query_attention=True,
+        num_query_groups=8,
+        swiglu=True,
+        bf16=True,
+        decoder_seq_length=None,
+        transformer_impl="transformer_engine",
+        tp_comm_overlap_cfg=None,
+        tp_comm_overlap_autotune_output=None,
+        save=None,
+        tp_comm_overlap_autotune_steps=400,
+        tp_comm_overlap_autotune_seconds=60.0,
+        fp8=None,
+    )
     base.update(kw)
     return argparse.Namespace(**base)
 
@@ -35,23 +61,32 @@ def test_good_combination_has_no_problems(tmp_path):
     assert check_arguments(ns(tp_comm_overlap_autotune=False, tp_comm_overlap=False)) == []
 
 
-@pytest.mark.parametrize("kw, needle", [
-    (dict(tp_comm_overlap=False), "needs --tp-comm-overlap"),
-    (dict(sequence_parallel=False), "needs --sequence-parallel"),
-    (dict(tensor_model_parallel_size=1), "--tensor-model-parallel-size >= 2"),
-    (dict(transformer_impl="local"), "Transformer Engine"),
-    (dict(tp_comm_overlap_autotune_steps=0), "-steps = 0"),
-    (dict(tp_comm_overlap_autotune_seconds=-1.0), "-seconds = -1.0"),
-    (dict(tp_comm_overlap_autotune_trial_timeout=0.0), "-trial-timeout = 0.0"),
-    (dict(tp_comm_overlap_autotune_rtol=0.0), "-rtol = 0.0"),
-])
+@pytest.mark.parametrize(
+    "kw, needle",
+    [
+        (dict(tp_comm_overlap=False), "needs --tp-comm-overlap"),
+        (dict(sequence_parallel=False), "needs --sequence-parallel"),
+        (dict(tensor_model_parallel_size=1), "needs --tensor-model-parallel-size >= 2 (got 1)"),
+        (dict(transformer_impl="local"), "Transformer Engine"),
+        (dict(fp16=True, bf16=False), "fp16 overlap gives wrong sums"),
+        (dict(tp_comm_overlap_autotune_steps=0), "--tp-comm-overlap-autotune-steps = 0: must be"),
+        (dict(tp_comm_overlap_autotune_seconds=-1.0), "--tp-comm-overlap-autotune-seconds = -1.0: must be"),
+        (dict(tp_comm_overlap_autotune_seconds=float("nan")), "-seconds = nan: must be a finite number"),
+        (dict(tp_comm_overlap_autotune_trial_timeout=0.0), "-trial-timeout = 0.0"),
+        (dict(tp_comm_overlap_autotune_rtol=5.0), "--tp-comm-overlap-autotune-rtol = 5.0: must be <= 0.5"),
+        (dict(tp_comm_overlap_autotune_strategy="coord"), "did you mean 'coordinate'"),
+    ],
+)
 def test_bad_combinations_are_named(kw, needle, tmp_path):
     probs = check_arguments(ns(tp_comm_overlap_autotune_output=str(tmp_path / "x.yaml"), **kw))
     assert any(needle in p for p in probs), probs
 
 
 def test_missing_te_is_named(tmp_path):
-    assert any("Transformer Engine" in p for p in check_arguments(ns(tp_comm_overlap_autotune_output=str(tmp_path / "y.yaml")), te_available=False))
+    assert any(
+        "Transformer Engine" in p
+        for p in check_arguments(ns(tp_comm_overlap_autotune_output=str(tmp_path / "y.yaml")), te_available=False)
+    )
 
 
 def test_invalid_existing_cfg_is_reported_with_file_and_line(tmp_path):
@@ -82,17 +117,42 @@ def test_output_path_defaults():
     assert output_path(ns()).as_posix() == "tp_comm_overlap_tuned.yaml"
 
 
-def test_tuning_key_changes_with_what_matters():
-    a = argparse.Namespace(tensor_model_parallel_size=2, context_parallel_size=1, seq_length=8192, micro_batch_size=1,
-                           hidden_size=4096, ffn_hidden_size=14336, num_attention_heads=32, group_query_attention=True,
-                           num_query_groups=8, fp8=None, bf16=True)
-    k = tuning_key(a, "NVIDIA H200", "2.20.2")
-    assert k == tuning_key(a, "NVIDIA H200", "2.20.2")
-    assert k != tuning_key(a, "NVIDIA H100 80GB HBM3", "2.20.2") and k != tuning_key(a, "NVIDIA H200", "2.21.0")
-    b = argparse.Namespace(**{**vars(a), "seq_length": 4096})
-    assert tuning_key(b, "NVIDIA H200", "2.20.2") != k
-    c = argparse.Namespace(**{**vars(a), "fp8": "hybrid"})
-    assert tuning_key(c, "NVIDIA H200", "2.20.2")["dtype"] == "fp8"
+def test_run_shape_reads_every_dimension_that_keys_a_tuned_config():
+    r = RunShape.from_args(ns(kv_channels=80, fp8="hybrid", context_parallel_size=2, tp_comm_overlap_rs_dgrad=True))
+    k = r.key("NVIDIA H200", "2.20.2", "ref", "yaml_only")
+    assert (k.tp, k.cp, k.tokens, k.hidden, k.ffn, k.heads, k.kv_groups, k.kv_channels) == (
+        2,
+        2,
+        4096,
+        4096,
+        14336,
+        32,
+        8,
+        80,
+    )
+    assert (k.gated_mlp, k.dtype, k.rs_dgrad) == (True, "fp8", True)
+    assert RunShape.from_args(ns(group_query_attention=False)).key("g", "t", "r", "s").kv_groups is None
+    assert RunShape.from_args(ns()).kv_channels == 4096 // 32  # Megatron's default head size
+
+
+def test_run_shape_from_a_transformer_config_matches_the_one_from_flags():
+    from types import SimpleNamespace
+
+    m = SimpleNamespace(
+        tensor_model_parallel_size=2,
+        seq_length=8192,
+        hidden_size=4096,
+        ffn_hidden_size=14336,
+        num_attention_heads=32,
+        num_query_groups=8,
+        kv_channels=None,
+        gated_linear_unit=True,
+        fp8=None,
+        bf16=True,
+        sequence_parallel=True,
+        tp_comm_overlap=True,
+    )
+    assert RunShape.from_transformer_config(m, micro_batch_size=1) == RunShape.from_args(ns())
 
 
 def test_replay_gives_the_main_loop_the_same_batches_in_order():
@@ -122,7 +182,9 @@ def test_replay_keeps_a_rerun_data_iterator_in_place():
 
 def test_state_snapshot_restores_rng():
     import random
+
     import numpy as np
+
     m = torch.nn.Linear(2, 2)
     s = StateSnapshot.take([m])
     a = (random.random(), np.random.rand(), torch.rand(1).item())
@@ -130,17 +192,31 @@ def test_state_snapshot_restores_rng():
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == a
 
 
-
-
 @pytest.mark.skipif(sys.version_info < (3, 12), reason="megatron-core >= 0.17 needs Python 3.12")
 def test_flags_through_megatrons_parser(monkeypatch):
     pytest.importorskip("megatron.training.arguments")
     import megatron.training.arguments as margs
-    from megatron_tp_overlap.integrations import megatron as integ
+
+    from megatron_tp_overlap.integrations.megatron import launcher as integ
+
     monkeypatch.setattr(integ, "_installed", False)
     integ.install()
-    monkeypatch.setattr(sys, "argv", ["x", "--tensor-model-parallel-size", "2", "--tp-comm-overlap-autotune",
-                                      "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "x",
+            "--tensor-model-parallel-size",
+            "2",
+            "--tp-comm-overlap-autotune",
+            "--num-layers",
+            "2",
+            "--hidden-size",
+            "64",
+            "--num-attention-heads",
+            "4",
+        ],
+    )
     with pytest.raises(SystemExit, match="needs --tp-comm-overlap"):
         margs.parse_args()
 
@@ -173,6 +249,7 @@ def test_state_snapshot_restores_the_tp_rng_tracker_every_time():
 
 def test_state_check_sees_every_kind_of_change():
     from megatron_tp_overlap.integrations.megatron import StateCheck
+
     model = [torch.nn.Linear(4, 4)]
     opt = torch.optim.Adam(model[0].parameters())
     model[0](torch.randn(2, 4)).sum().backward()
@@ -193,11 +270,15 @@ def test_state_check_sees_every_kind_of_change():
 
 def test_state_check_sees_fp8_metadata_and_data_position():
     from types import SimpleNamespace
+
     from megatron_tp_overlap.integrations.megatron import StateCheck
+
     lin = torch.nn.Linear(2, 2)
     lin.fp8_meta = {"scaling_fwd": SimpleNamespace(amax_history=torch.zeros(4, 3), scale=torch.ones(3))}
     model = [torch.nn.Sequential(lin)]
-    r = ReplayIterator(iter([{"tokens": torch.arange(4)}, {"tokens": torch.arange(4) + 4}, {"tokens": torch.arange(4) + 8}]))
+    r = ReplayIterator(
+        iter([{"tokens": torch.arange(4)}, {"tokens": torch.arange(4) + 4}, {"tokens": torch.arange(4) + 8}])
+    )
     r.read_ahead(2)
     check = StateCheck(model, torch.optim.SGD(lin.parameters(), lr=0.1), tracker=FakeTracker(), replays=[r, None])
     assert check.mismatches() == []
@@ -210,7 +291,8 @@ def test_state_check_sees_fp8_metadata_and_data_position():
 
 
 def test_deterministic_with_overlap_sets_megatrons_determinism(monkeypatch):
-    from megatron_tp_overlap.integrations.megatron import deterministic_with_overlap
+    from megatron_tp_overlap.integrations.megatron.launcher import deterministic_with_overlap
+
     for k in ("NCCL_ALGO", "NVTE_ALLOW_NONDETERMINISTIC_ALGO", "CUBLAS_WORKSPACE_CONFIG"):
         monkeypatch.delenv(k, raising=False)
     was = torch.are_deterministic_algorithms_enabled()
@@ -218,6 +300,7 @@ def test_deterministic_with_overlap_sets_megatrons_determinism(monkeypatch):
         deterministic_with_overlap()
         assert torch.are_deterministic_algorithms_enabled()
         import os
+
         assert os.environ["NVTE_ALLOW_NONDETERMINISTIC_ALGO"] == "0" and os.environ["NCCL_ALGO"] == "Ring"
     finally:
         torch.use_deterministic_algorithms(was)
@@ -225,7 +308,9 @@ def test_deterministic_with_overlap_sets_megatrons_determinism(monkeypatch):
 
 def test_fp8_metadata_created_during_tuning_is_reset_to_fresh():
     from types import SimpleNamespace
+
     from megatron_tp_overlap.integrations.megatron import StateCheck
+
     lin = torch.nn.Linear(2, 2)
     model = [torch.nn.Sequential(lin)]
     snap = StateSnapshot.take(model, tracker=FakeTracker())
@@ -234,14 +319,17 @@ def test_fp8_metadata_created_during_tuning_is_reset_to_fresh():
     lin.fp8_meta = {"scaling_fwd": SimpleNamespace(amax_history=torch.full((4, 3), 2.0), scale=torch.full((3,), 0.5))}
     assert "fp8 0.0.scaling_fwd.amax_history" in check.mismatches()
     snap.restore()
-    assert torch.all(lin.fp8_meta["scaling_fwd"].amax_history == 0) and torch.all(lin.fp8_meta["scaling_fwd"].scale == 1)
+    assert torch.all(lin.fp8_meta["scaling_fwd"].amax_history == 0) and torch.all(
+        lin.fp8_meta["scaling_fwd"].scale == 1
+    )
     assert check.mismatches() == []
 
 
 def test_tuning_results_go_to_megatrons_tensorboard_writer(monkeypatch):
     import types
     from types import SimpleNamespace
-    from megatron_tp_overlap.integrations.megatron import TPOverlapAutotuneCallback
+
+    from megatron_tp_overlap.integrations.megatron.tuning import _tensorboard
 
     class Writer:
         def __init__(self):
@@ -262,10 +350,18 @@ def test_tuning_results_go_to_megatrons_tensorboard_writer(monkeypatch):
     monkeypatch.setitem(sys.modules, "megatron.training", fake)
     if "megatron" not in sys.modules:
         monkeypatch.setitem(sys.modules, "megatron", types.ModuleType("megatron"))
-    res = SimpleNamespace(wall_s=12.5, summary="table", search=SimpleNamespace(contenders=[
-        SimpleNamespace(name="autotuned", median=10.0, samples=[10.0]), SimpleNamespace(name="skipped", median=None, samples=[])]))
-    TPOverlapAutotuneCallback._tensorboard(res)
+    res = SimpleNamespace(
+        wall_s=12.5,
+        summary="table",
+        search=SimpleNamespace(
+            contenders=[
+                SimpleNamespace(name="autotuned", median=10.0, samples=[10.0]),
+                SimpleNamespace(name="skipped", median=None, samples=[]),
+            ]
+        ),
+    )
+    _tensorboard(res)
     assert writer.scalars == {"tp-overlap-autotune/step-ms/autotuned": 10.0, "tp-overlap-autotune/tuning-seconds": 12.5}
     assert "table" in writer.texts["tp-overlap-autotune/summary"] and writer.flushed
     fake.get_tensorboard_writer = lambda: None  # ranks without a writer: nothing to do
-    TPOverlapAutotuneCallback._tensorboard(res)
+    _tensorboard(res)

@@ -1,4 +1,5 @@
 """The issue-8 benchmark's pure parts: efficiency arithmetic, report and chart from a result."""
+
 import importlib.util
 from pathlib import Path
 
@@ -16,15 +17,22 @@ def test_efficiency():
 
 def test_cases_match_the_issue():
     from megatron_tp_overlap.models import load_model_dims
+
     d = load_model_dims(ob.CASES["llama3_70b"][0])
     assert (d.hidden, d.ffn, d.heads, d.kv_heads) == (8192, 28672, 64, 8) and ob.CASES["llama3_70b"][1:] == (4096, 1)
     assert ob.CASES["gpt3_20b"][1:] == (2048, 2) and load_model_dims(ob.CASES["gpt3_20b"][0]).hidden == 6144
 
 
 def test_render_and_plot(tmp_path):
-    r = {"case": "llama3_8b", "tp": 4, "comm_only": {"total_ms": 2.0},
-         "step_ms": {"no overlap": {"median": 10.0, "spread": 0.1, "efficiency": 0.0},
-                     "autotuned": {"median": 8.8, "spread": 0.1, "efficiency": 0.6}}}
+    r = {
+        "case": "llama3_8b",
+        "tp": 4,
+        "comm_only": {"total_ms": 2.0},
+        "step_ms": {
+            "no overlap": {"median": 10.0, "spread": 0.1, "efficiency": 0.0},
+            "autotuned": {"median": 8.8, "spread": 0.1, "efficiency": 0.6},
+        },
+    }
     assert "| llama3_8b | 4 | autotuned | 8.800 | 0.100 | 0.60 | 2.000 |" in ob.render([r])
     ob.plot([r], tmp_path / "b.png")
     assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"
@@ -33,7 +41,10 @@ def test_render_and_plot(tmp_path):
 def test_predecessor_effect_plan_interleaves_every_order():
     import importlib.util
     from pathlib import Path
-    spec = importlib.util.spec_from_file_location("pe", Path(__file__).parents[1] / "benchmarks" / "predecessor_effect.py")
+
+    spec = importlib.util.spec_from_file_location(
+        "pe", Path(__file__).parents[1] / "benchmarks" / "predecessor_effect.py"
+    )
     pe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(pe)
     p = pe.plan(3)

@@ -1,7 +1,7 @@
 import json
 from pathlib import Path
 
-from megatron_tp_overlap.plots import plot_report, slot_points
+from megatron_tp_overlap.tools.plots import plot_report, slot_points
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 

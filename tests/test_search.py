@@ -1,14 +1,22 @@
 """Search logic on synthetic timing functions (no sleeping: a cost model plus seeded noise)."""
+
 import random
 
+import fakes
 import pytest
 
-import fakes
-from megatron_tp_overlap.search import Measurement, SearchOptions, Searcher, TrialFailed, pooled_sigma, significant_gain
-from megatron_tp_overlap.space import TuningConfig, all_off, apply, build_space
-from megatron_tp_overlap.topology import build_topology, find_overlap_modules
-from megatron_tp_overlap.ub_config import UbConfig
-from megatron_tp_overlap.validation import ValidationContext
+from megatron_tp_overlap.engine.search import (
+    Measurement,
+    Searcher,
+    SearchOptions,
+    TrialFailed,
+    pooled_sigma,
+    significant_gain,
+)
+from megatron_tp_overlap.engine.space import TuningConfig, all_off, apply, build_space
+from megatron_tp_overlap.engine.topology import build_topology, find_overlap_modules
+from megatron_tp_overlap.ub.config import UbConfig
+from megatron_tp_overlap.ub.rules import ValidationContext
 
 CTX = ValidationContext(sm_count=132, tp_size=2)
 
@@ -29,8 +37,10 @@ class Synthetic:
         self.t += (steps + warmup) * self.s_per_step
         if self.fail(config):
             raise TrialFailed("synthetic failure")
-        slot = {s: [sum(self.cost(g, config) for g in gs) + self.rng.gauss(0, self.noise) for _ in range(steps)]
-                for s, gs in self.topo.slots().items()}
+        slot = {
+            s: [sum(self.cost(g, config) for g in gs) + self.rng.gauss(0, self.noise) for _ in range(steps)]
+            for s, gs in self.topo.slots().items()
+        }
         step = [5.0 + sum(v[i] for v in slot.values()) for i in range(steps)]
         return Measurement(slot, step, self.t, steps + warmup)
 
@@ -61,8 +71,13 @@ def test_coordinate_finds_the_optimum_in_few_trials():
 def test_exhaustive_finds_the_same_optimum_on_a_small_space():
     topo, space, ref, base = setup(layers=1)
     small = {g: space[g][:3] for g in ("fc2_fprop", "qkv_dgrad")}
-    res = Searcher(topo, small, Synthetic(topo, noise=0.0), CTX,
-                   SearchOptions(strategy="exhaustive", max_steps=10_000, max_seconds=1e9)).run(ref, base)
+    res = Searcher(
+        topo,
+        small,
+        Synthetic(topo, noise=0.0),
+        CTX,
+        SearchOptions(strategy="exhaustive", max_steps=10_000, max_seconds=1e9),
+    ).run(ref, base)
     exp = best_possible(topo, small)
     assert {g: cost(g, res.best) for g in small} == pytest.approx(exp)
     # 3 options per GEMM, one of them the reference's own setting: 3 x 3 distinct configs.
@@ -72,7 +87,9 @@ def test_exhaustive_finds_the_same_optimum_on_a_small_space():
 def test_exhaustive_refuses_a_huge_space():
     topo, space, ref, base = setup()
     with pytest.raises(ValueError, match="max_exhaustive"):
-        Searcher(topo, space, Synthetic(topo), CTX, SearchOptions(strategy="exhaustive", max_exhaustive=100)).run(ref, base)
+        Searcher(topo, space, Synthetic(topo), CTX, SearchOptions(strategy="exhaustive", max_exhaustive=100)).run(
+            ref, base
+        )
 
 
 def test_step_budget_is_respected():
@@ -83,30 +100,49 @@ def test_step_budget_is_respected():
 
 def test_time_budget_is_respected():
     topo, space, ref, base = setup()
-    res = Searcher(topo, space, Synthetic(topo, s_per_step=0.1), CTX, SearchOptions(max_steps=10_000, max_seconds=12)).run(ref, base)
+    res = Searcher(
+        topo, space, Synthetic(topo, s_per_step=0.1), CTX, SearchOptions(max_steps=10_000, max_seconds=12)
+    ).run(ref, base)
     assert res.elapsed_s <= 12 and res.budget_hit
     assert any(t.phase == "confirm" for t in res.trials)  # confirmation is reserved, not skipped
 
 
 def test_gain_within_noise_is_rejected():
     topo, space, ref, base = setup()
+
     # Every option costs what TE's default costs, but one is 0.1% faster; noise is 5% of a slot.
     def flat(gemm, config):
         if gemm in config.disabled:
             return 1.0
         c = config.ub.get(gemm)
         return 0.999 if (c is not None and c.num_sm == 8) else 1.0
-    res = Searcher(topo, space, Synthetic(topo, cost=flat, noise=0.05, seed=3), CTX,
-                   SearchOptions(max_steps=10_000, max_seconds=1e9)).run(ref, base)
+
+    res = Searcher(
+        topo,
+        space,
+        Synthetic(topo, cost=flat, noise=0.05, seed=3),
+        CTX,
+        SearchOptions(max_steps=10_000, max_seconds=1e9),
+    ).run(ref, base)
     assert res.best_name == "reference"
     assert "noise" in res.reason
 
 
 def test_numerics_guard_rejects_a_fast_but_wrong_option():
     topo, space, ref, base = setup()
-    wrong = lambda c: (c.ub.get("fc2_fprop") is not None and c.ub.get("fc2_fprop").num_sm == 8 and c.ub.get("fc2_fprop").method == "pipeline")  # noqa: E731
-    s = Searcher(topo, space, Synthetic(topo), CTX, SearchOptions(max_steps=10_000, max_seconds=1e9),
-                 verify=lambda c: "rel. error 1.2" if wrong(c) else None)
+    wrong = lambda c: (
+        c.ub.get("fc2_fprop") is not None
+        and c.ub.get("fc2_fprop").num_sm == 8
+        and c.ub.get("fc2_fprop").method == "pipeline"
+    )  # noqa: E731
+    s = Searcher(
+        topo,
+        space,
+        Synthetic(topo),
+        CTX,
+        SearchOptions(max_steps=10_000, max_seconds=1e9),
+        verify=lambda c: "rel. error 1.2" if wrong(c) else None,
+    )
     res = s.run(ref, base)
     assert not wrong(res.best)
     assert "numerics" in res.choices["fc2_fprop"].get("note", "")
@@ -116,7 +152,9 @@ def test_numerics_guard_rejects_a_fast_but_wrong_option():
 def test_failing_trials_are_isolated_and_skipped():
     topo, space, ref, base = setup()
     bad = lambda c: c.ub.get("qkv_dgrad") is not None and c.ub.get("qkv_dgrad").num_sm == 8  # noqa: E731
-    res = Searcher(topo, space, Synthetic(topo, fail=bad), CTX, SearchOptions(max_steps=10_000, max_seconds=1e9)).run(ref, base)
+    res = Searcher(topo, space, Synthetic(topo, fail=bad), CTX, SearchOptions(max_steps=10_000, max_seconds=1e9)).run(
+        ref, base
+    )
     assert any(t.error for t in res.trials)
     assert not bad(res.best) and res.best_name == "autotuned"
 
@@ -124,7 +162,7 @@ def test_failing_trials_are_isolated_and_skipped():
 def test_noise_statistics():
     assert pooled_sigma([[1.0, 1.0, 1.0], [2.0, 2.0]]) == 0.0
     gain, thr = significant_gain([10.0] * 4, [9.0] * 4, sigma=0.1, z=2.0, rel_floor=0.002)
-    assert gain == pytest.approx(1.0) and thr == pytest.approx(max(2 * 0.1 * (0.5 ** 0.5), 0.02))
+    assert gain == pytest.approx(1.0) and thr == pytest.approx(max(2 * 0.1 * (0.5**0.5), 0.02))
 
 
 def test_options_are_validated():
@@ -147,21 +185,25 @@ def test_slot_exhaustive_finds_the_optimum_and_costs_more_than_coordinate():
 
 def test_slot_exhaustive_respects_the_budget():
     topo, space, ref, base = setup()
-    res = Searcher(topo, space, Synthetic(topo), CTX, SearchOptions(strategy="slot_exhaustive", max_steps=150,
-                                                                     max_seconds=1e9)).run(ref, base)
+    res = Searcher(
+        topo, space, Synthetic(topo), CTX, SearchOptions(strategy="slot_exhaustive", max_steps=150, max_seconds=1e9)
+    ).run(ref, base)
     assert res.steps_run <= 150 and res.budget_hit
 
 
 def test_confirmation_rotates_so_no_contender_always_follows_the_same_one():
-    from megatron_tp_overlap.search import rotated
-    assert rotated([1, 2, 3], 0) == [1, 2, 3] and rotated([1, 2, 3], 1) == [2, 3, 1] and rotated([1, 2, 3], 5) == [3, 1, 2]
+    from megatron_tp_overlap.engine.search import rotated
+
+    assert (
+        rotated([1, 2, 3], 0) == [1, 2, 3] and rotated([1, 2, 3], 1) == [2, 3, 1] and rotated([1, 2, 3], 5) == [3, 1, 2]
+    )
     assert rotated([], 3) == []
     topo, space, ref, base = setup()
     ev = Synthetic(topo)
     res = Searcher(topo, space, ev, CTX, SearchOptions(max_steps=10_000, max_seconds=1e9)).run(ref, base)
     names = [t.config.label or "autotuned" for t in res.trials if t.phase == "confirm"]
     n = len({c.name for c in res.contenders})
-    rounds = [names[i:i + n] for i in range(0, len(names), n)]
+    rounds = [names[i : i + n] for i in range(0, len(names), n)]
     assert len(rounds) >= 2 and rounds[0] != rounds[1] and sorted(rounds[0]) == sorted(rounds[1])
     predecessors = {(a, b) for r in rounds for a, b in zip(r, r[1:])}
     assert len(predecessors) > n - 1  # more (predecessor, contender) pairs than one fixed order gives

@@ -1,11 +1,20 @@
+import fakes
 import pytest
 import torch
 
-import fakes
-from megatron_tp_overlap.space import Option, SpaceSpec, TuningConfig, all_off, apply, build_space, effective_key, is_valid
-from megatron_tp_overlap.topology import build_topology, find_overlap_modules, te_kind
-from megatron_tp_overlap.ub_config import GemmOverlapConfig, UbConfig
-from megatron_tp_overlap.validation import ValidationContext
+from megatron_tp_overlap.engine.space import (
+    Option,
+    SpaceSpec,
+    TuningConfig,
+    all_off,
+    apply,
+    build_space,
+    effective_key,
+    is_valid,
+)
+from megatron_tp_overlap.engine.topology import build_topology, find_overlap_modules, te_kind
+from megatron_tp_overlap.ub.config import GemmOverlapConfig, UbConfig
+from megatron_tp_overlap.ub.rules import ValidationContext
 
 CTX = ValidationContext(sm_count=132, tp_size=2)
 
@@ -41,15 +50,24 @@ def test_fused_mlp_couples_fc1_fprop_with_fc2_dgrad():
     assert t.coupled("fc1_fprop") == {"fc1_fprop", "fc2_dgrad", "fc2_wgrad"}
     mlp = next(x for x in mods if x.kind == "mlp")
     flags = mlp.flags_for(UbConfig(), mlp.active_gemms() - {"fc2_fprop"})
-    assert flags == {"ub_overlap_ag": True, "ub_overlap_rs": False, "ub_overlap_rs_dgrad": False,
-                     "ub_bulk_dgrad": True, "ub_bulk_wgrad": True}
+    assert flags == {
+        "ub_overlap_ag": True,
+        "ub_overlap_rs": False,
+        "ub_overlap_rs_dgrad": False,
+        "ub_bulk_dgrad": True,
+        "ub_bulk_wgrad": True,
+    }
 
 
 def test_flags_follow_dgrad_mode():
     (qkv,) = [m for m in find_overlap_modules(fakes.fake_model(layers=1)) if m.name == "qkv"]
     rs = UbConfig().with_entry("qkv_dgrad", GemmOverlapConfig(method="ring_exchange"))
-    assert qkv.flags_for(rs, qkv.active_gemms()) == {"ub_overlap_ag_fprop": True, "ub_overlap_rs_dgrad": True,
-                                                      "ub_bulk_dgrad": False, "ub_bulk_wgrad": False}
+    assert qkv.flags_for(rs, qkv.active_gemms()) == {
+        "ub_overlap_ag_fprop": True,
+        "ub_overlap_rs_dgrad": True,
+        "ub_bulk_dgrad": False,
+        "ub_bulk_wgrad": False,
+    }
     assert qkv.flags_for(UbConfig(), set())["ub_bulk_dgrad"] is False
 
 
@@ -84,15 +102,20 @@ def test_space_respects_sm_count_and_spec():
 
 def test_presets_seed_the_space():
     t = topo()
-    prior = UbConfig().with_entry("fc2_fprop", GemmOverlapConfig(method="pipeline", num_sm=20, num_splits=3, cga_size=2, set_sm_margin=True))
+    prior = UbConfig().with_entry(
+        "fc2_fprop", GemmOverlapConfig(method="pipeline", num_sm=20, num_splits=3, cga_size=2, set_sm_margin=True)
+    )
     space = build_space(t, CTX, [prior])
     assert space["fc2_fprop"][0].cfg.num_sm == 20
 
 
 def test_apply_rs_dgrad_drops_wgrad_entry_and_off_is_coupled():
     t = topo()
-    c = apply(TuningConfig(UbConfig().with_entry("qkv_wgrad", GemmOverlapConfig(method="bulk", num_sm=4))),
-              Option("qkv_dgrad", GemmOverlapConfig(method="ring_exchange")), t)
+    c = apply(
+        TuningConfig(UbConfig().with_entry("qkv_wgrad", GemmOverlapConfig(method="bulk", num_sm=4))),
+        Option("qkv_dgrad", GemmOverlapConfig(method="ring_exchange")),
+        t,
+    )
     assert "qkv_wgrad" not in c.ub and is_valid(c, CTX)
     off = apply(TuningConfig(), Option("proj_dgrad", enabled=False), t)
     assert off.disabled == {"proj_dgrad", "proj_wgrad"}
@@ -102,7 +125,8 @@ def test_apply_rs_dgrad_drops_wgrad_entry_and_off_is_coupled():
 
 
 def test_dgrad_mode_can_be_fixed_by_the_run_flags():
-    from megatron_tp_overlap.presets import PRESETS
+    from megatron_tp_overlap.ub.presets import PRESETS
+
     t = topo()
     priors = [UbConfig(), *PRESETS.values()]  # some presets put qkv/fc1 dgrad on a reduce-scatter
     mixed = build_space(t, CTX, priors)
@@ -116,7 +140,8 @@ def test_dgrad_mode_can_be_fixed_by_the_run_flags():
 
 
 def test_dgrad_mode_option_names_the_spaces_megatron_can_run():
-    from megatron_tp_overlap.space import DGRAD_MODES, space_spec_for_dgrad_mode
+    from megatron_tp_overlap.engine.space import DGRAD_MODES, space_spec_for_dgrad_mode
+
     assert space_spec_for_dgrad_mode("any") == SpaceSpec()
     bulk, rs = space_spec_for_dgrad_mode("bulk"), space_spec_for_dgrad_mode("reduce-scatter")
     assert (bulk.include_rs_dgrad, bulk.include_bulk_dgrad) == (False, True)

@@ -1,23 +1,30 @@
 """Trace analysis on small Chrome traces built here: interval arithmetic and kernel classification."""
+
 import gzip
 import json
 
 import pytest
 
-from megatron_tp_overlap.trace import analyze, classify, intersect, length, load, render, union
+from megatron_tp_overlap.tools.trace import analyze, classify, intersect, length, load, render, union
 
 
-@pytest.mark.parametrize("name, cls", [
-    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "gemm"),
-    ("nvjet_tst_128x256_64x4_2x1_v_bz_coopB_TNT", "gemm"),
-    ("cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_32x6_tn_align8>", "gemm"),
-    ("void cublasLt::splitKreduce_kernel<32, 16, int, float>", "gemm"),
-    ("ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "comm"),
-    ("void userbuffers_fp16_sum_inplace_gpu_rr_rs<2>(int, int, int, int, int, int, void**, int, unsigned long)", "comm"),
-    ("Memcpy PtoP (Device -> Device)", "comm"),
-    ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>", "other"),
-    ("flash_fwd_kernel", "other"),
-])
+@pytest.mark.parametrize(
+    "name, cls",
+    [
+        ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "gemm"),
+        ("nvjet_tst_128x256_64x4_2x1_v_bz_coopB_TNT", "gemm"),
+        ("cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_32x6_tn_align8>", "gemm"),
+        ("void cublasLt::splitKreduce_kernel<32, 16, int, float>", "gemm"),
+        ("ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "comm"),
+        (
+            "void userbuffers_fp16_sum_inplace_gpu_rr_rs<2>(int, int, int, int, int, int, void**, int, unsigned long)",
+            "comm",
+        ),
+        ("Memcpy PtoP (Device -> Device)", "comm"),
+        ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>", "other"),
+        ("flash_fwd_kernel", "other"),
+    ],
+)
 def test_classify(name, cls):
     assert classify(name) == cls
 
@@ -30,19 +37,31 @@ def test_interval_arithmetic():
 
 
 def k(name, ts, dur, stream, dev=0, cat="kernel"):
-    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": dev, "tid": stream,
-            "args": {"device": dev, "stream": stream}}
+    return {
+        "ph": "X",
+        "cat": cat,
+        "name": name,
+        "ts": ts,
+        "dur": dur,
+        "pid": dev,
+        "tid": stream,
+        "args": {"device": dev, "stream": stream},
+    }
 
 
 def trace():
-    return {"traceEvents": [
-        k("sm90_xmma_gemm_a", 0, 100, 7), k("sm90_xmma_gemm_b", 50, 100, 8),   # GEMM union 0-150
-        k("userbuffers_rs", 120, 60, 20),                                       # comm 120-180: 30 us overlap
-        k("Memcpy PtoP (Device -> Device)", 200, 10, 21, cat="gpu_memcpy"),     # comm 200-210, alone
-        k("elementwise", 300, 5, 7),                                            # other
-        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 999, "pid": 1, "tid": 1},  # host: ignored
-        k("ncclDevKernel_AllGather", 0, 40, 30, dev=1), k("nvjet_gemm", 20, 40, 31, dev=1),
-    ]}
+    return {
+        "traceEvents": [
+            k("sm90_xmma_gemm_a", 0, 100, 7),
+            k("sm90_xmma_gemm_b", 50, 100, 8),  # GEMM union 0-150
+            k("userbuffers_rs", 120, 60, 20),  # comm 120-180: 30 us overlap
+            k("Memcpy PtoP (Device -> Device)", 200, 10, 21, cat="gpu_memcpy"),  # comm 200-210, alone
+            k("elementwise", 300, 5, 7),  # other
+            {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 999, "pid": 1, "tid": 1},  # host: ignored
+            k("ncclDevKernel_AllGather", 0, 40, 30, dev=1),
+            k("nvjet_gemm", 20, 40, 31, dev=1),
+        ]
+    }
 
 
 def test_analyze_per_device():
@@ -65,7 +84,7 @@ def test_load_plain_gz_and_errors(tmp_path):
         json.dump(trace()["traceEvents"], f)  # bare-array form
     assert analyze(load(gz))["1"].overlap_ms == pytest.approx(0.02)
     bad = tmp_path / "bad.json"
-    bad.write_text("{\"traceEvents\": [")
+    bad.write_text('{"traceEvents": [')
     with pytest.raises(ValueError, match="not a readable Chrome trace"):
         load(bad)
     other = tmp_path / "other.json"

@@ -1,11 +1,18 @@
-import yaml
 import pytest
+import yaml
 
 from megatron_tp_overlap.errors import ConfigError
-from megatron_tp_overlap.presets import PRESETS, NEMO_PRESETS, closest_preset, get_preset
-from megatron_tp_overlap.ub_config import (
-    GEMM_NAMES, GemmOverlapConfig, UbConfig, dumps_yaml, load_yaml, loads_yaml, parse_ub_cfgs, te_default,
+from megatron_tp_overlap.ub.config import (
+    GEMM_NAMES,
+    GemmOverlapConfig,
+    UbConfig,
+    dumps_yaml,
+    load_yaml,
+    loads_yaml,
+    parse_ub_cfgs,
+    te_default,
 )
+from megatron_tp_overlap.ub.presets import NEMO_PRESETS, PRESETS, closest_preset, get_preset
 
 
 def test_twelve_gemm_names():
@@ -50,9 +57,21 @@ def test_closest_preset():
 
 def test_te_defaults_match_initialize_ub():
     ring = te_default("qkv_fprop", 4)
-    assert (ring.method, ring.num_sm, ring.cga_size, ring.num_splits, ring.set_sm_margin) == ("ring_exchange", 1, 1, 4, False)
+    assert (ring.method, ring.num_sm, ring.cga_size, ring.num_splits, ring.set_sm_margin) == (
+        "ring_exchange",
+        1,
+        1,
+        4,
+        False,
+    )
     pipe = te_default("fc2_fprop", 4)
-    assert (pipe.method, pipe.num_sm, pipe.cga_size, pipe.num_splits, pipe.set_sm_margin) == ("pipeline", 16, 2, 4, True)
+    assert (pipe.method, pipe.num_sm, pipe.cga_size, pipe.num_splits, pipe.set_sm_margin) == (
+        "pipeline",
+        16,
+        2,
+        4,
+        True,
+    )
     assert te_default("qkv_wgrad", 2).method == "bulk" and te_default("fc2_wgrad", 2).method == "external"
     assert UbConfig().method("fc1_dgrad") == "bulk"
 
@@ -65,26 +84,37 @@ def test_only_set_keys_are_dumped_and_ints_coerce_to_bool():
 
 
 def test_with_entry_and_ordering():
-    cfg = UbConfig().with_entry("fc2_fprop", GemmOverlapConfig(method="pipeline")).with_entry("qkv_fprop", GemmOverlapConfig())
+    cfg = (
+        UbConfig()
+        .with_entry("fc2_fprop", GemmOverlapConfig(method="pipeline"))
+        .with_entry("qkv_fprop", GemmOverlapConfig())
+    )
     assert list(cfg) == ["qkv_fprop", "fc2_fprop"]
     assert "fc2_fprop" not in cfg.with_entry("fc2_fprop", None)
     assert hash(cfg) == hash(UbConfig.of(dict(cfg.items())))
 
 
-@pytest.mark.parametrize("text, key, rule", [
-    ("qkv_fprp: {method: ring_exchange}\n", "qkv_fprp", "unknown GEMM name"),
-    ("qkv_fprop: {method: ring_exchange, num_sms: 4}\n", "qkv_fprop.num_sms", "unknown key"),
-    ("qkv_fprop: {method: ring}\n", "qkv_fprop.method", "method must be one of"),
-    ("fc2_fprop: {method: pipeline, num_sm: '8'}\n", "fc2_fprop.num_sm", "must be an integer"),
-    ("fc2_fprop: {method: pipeline, num_sm: 8.5}\n", "fc2_fprop.num_sm", "must be an integer"),
-    ("fc2_fprop: {method: pipeline, set_sm_margin: 'yes please'}\n", "fc2_fprop.set_sm_margin", "must be a boolean"),
-    ("fc2_fprop: {method: pipeline, aggregate: 2}\n", "fc2_fprop.aggregate", "must be a boolean"),
-    ("fc2_fprop: {method: pipeline, fp8_buf: [false]}\n", "fc2_fprop.fp8_buf", "truthy"),
-    ("fc2_fprop: pipeline\n", "fc2_fprop", "must be a mapping"),
-    ("fc2_fprop:\n", "fc2_fprop", "must be a mapping"),
-    ("- fc2_fprop\n", "<top level>", "must be a mapping"),
-    ("fc2_fprop: {num_sm: true}\n", "fc2_fprop.num_sm", "must be an integer"),
-])
+@pytest.mark.parametrize(
+    "text, key, rule",
+    [
+        ("qkv_fprp: {method: ring_exchange}\n", "qkv_fprp", "unknown GEMM name"),
+        ("qkv_fprop: {method: ring_exchange, num_sms: 4}\n", "qkv_fprop.num_sms", "unknown key"),
+        ("qkv_fprop: {method: ring}\n", "qkv_fprop.method", "method must be one of"),
+        ("fc2_fprop: {method: pipeline, num_sm: '8'}\n", "fc2_fprop.num_sm", "must be an integer"),
+        ("fc2_fprop: {method: pipeline, num_sm: 8.5}\n", "fc2_fprop.num_sm", "must be an integer"),
+        (
+            "fc2_fprop: {method: pipeline, set_sm_margin: 'yes please'}\n",
+            "fc2_fprop.set_sm_margin",
+            "must be a boolean",
+        ),
+        ("fc2_fprop: {method: pipeline, aggregate: 2}\n", "fc2_fprop.aggregate", "must be a boolean"),
+        ("fc2_fprop: {method: pipeline, fp8_buf: [false]}\n", "fc2_fprop.fp8_buf", "truthy"),
+        ("fc2_fprop: pipeline\n", "fc2_fprop", "must be a mapping"),
+        ("fc2_fprop:\n", "fc2_fprop", "must be a mapping"),
+        ("- fc2_fprop\n", "<top level>", "must be a mapping"),
+        ("fc2_fprop: {num_sm: true}\n", "fc2_fprop.num_sm", "must be an integer"),
+    ],
+)
 def test_structural_errors_name_key_value_rule(text, key, rule, tmp_path):
     p = tmp_path / "bad.yaml"
     p.write_text(text)
@@ -138,6 +168,8 @@ def test_all_problems_reported_at_once():
 
 
 def test_describe():
-    assert GemmOverlapConfig(method="pipeline", num_sm=16, num_splits=4, cga_size=2, set_sm_margin=True).describe() == \
-        "pipeline sm=16 cga=2 splits=4 margin"
+    assert (
+        GemmOverlapConfig(method="pipeline", num_sm=16, num_splits=4, cga_size=2, set_sm_margin=True).describe()
+        == "pipeline sm=16 cga=2 splits=4 margin"
+    )
     assert UbConfig().describe() == "TE defaults"

@@ -1,9 +1,9 @@
 import pytest
 
 from megatron_tp_overlap.errors import ConfigError
-from megatron_tp_overlap.presets import PRESETS
-from megatron_tp_overlap.ub_config import parse_ub_cfgs
-from megatron_tp_overlap.validation import ValidationContext, allowed_methods, check, load_and_validate, validate_text
+from megatron_tp_overlap.ub.config import parse_ub_cfgs
+from megatron_tp_overlap.ub.presets import PRESETS
+from megatron_tp_overlap.ub.rules import ValidationContext, allowed_methods, check, load_and_validate, validate_text
 
 H100 = ValidationContext(fp8=False, sm_count=132, tp_size=4)
 FP8 = ValidationContext(fp8=True, sm_count=132, tp_size=4)
@@ -36,7 +36,8 @@ def test_pipeline_allowed_for_reduce_scatter_gemms(gemm):
 
 
 def test_allowed_methods_cover_every_gemm():
-    from megatron_tp_overlap.ub_config import GEMM_NAMES
+    from megatron_tp_overlap.ub.config import GEMM_NAMES
+
     assert all(allowed_methods(g) for g in GEMM_NAMES)
 
 
@@ -51,8 +52,13 @@ def test_atomic_ring_exchange_needs_both_gemms_of_the_pair():
     assert any(p.key == "proj_fprop.atomic_gemm" and "pair" in p.rule for p in ps)
     ps = problems({"fc2_fprop": {"method": "ring_exchange", "atomic_gemm": True}}, FP8)
     assert any(p.key == "fc1_fprop.atomic_gemm" for p in ps)
-    ok({"qkv_fprop": {"method": "ring_exchange", "atomic_gemm": True},
-        "proj_fprop": {"method": "ring_exchange", "atomic_gemm": True}}, FP8)
+    ok(
+        {
+            "qkv_fprop": {"method": "ring_exchange", "atomic_gemm": True},
+            "proj_fprop": {"method": "ring_exchange", "atomic_gemm": True},
+        },
+        FP8,
+    )
 
 
 def test_atomic_gemm_not_for_bulk():
@@ -82,10 +88,16 @@ def test_non_bulk_dgrad_forbids_its_wgrad_entry(dgrad):
     ok({dgrad: {"method": "bulk"}, wgrad: {"method": "bulk", "num_sm": 4}})
 
 
-@pytest.mark.parametrize("knob, value, rule", [
-    ("num_sm", 0, ">= 1"), ("num_sm", 133, "SM count (132)"), ("cga_size", 0, "1..4"),
-    ("cga_size", 5, "1..4"), ("num_splits", 0, ">= 1"),
-])
+@pytest.mark.parametrize(
+    "knob, value, rule",
+    [
+        ("num_sm", 0, ">= 1"),
+        ("num_sm", 133, "SM count (132)"),
+        ("cga_size", 0, "1..4"),
+        ("cga_size", 5, "1..4"),
+        ("num_splits", 0, ">= 1"),
+    ],
+)
 def test_integer_ranges(knob, value, rule):
     (p,) = problems({"fc2_fprop": {"method": "pipeline", knob: value}})
     assert p.key == f"fc2_fprop.{knob}" and p.value == value and rule in p.rule
@@ -102,12 +114,19 @@ def test_is_reduce_scatter_must_match():
 
 
 def test_every_problem_reported_together():
-    ps = problems({"qkv_fprop": {"method": "pipeline"}, "fc2_fprop": {"method": "pipeline", "num_sm": 0, "cga_size": 9}})
+    ps = problems(
+        {"qkv_fprop": {"method": "pipeline"}, "fc2_fprop": {"method": "pipeline", "num_sm": 0, "cga_size": 9}}
+    )
     assert len(ps) == 3
 
 
 def test_ignored_knobs_are_warnings_not_errors():
-    notes = ok({"qkv_fprop": {"method": "ring_exchange", "num_splits": 4}, "fc2_fprop": {"method": "pipeline", "aggregate": True}})
+    notes = ok(
+        {
+            "qkv_fprop": {"method": "ring_exchange", "num_splits": 4},
+            "fc2_fprop": {"method": "pipeline", "aggregate": True},
+        }
+    )
     assert any("qkv_fprop" in n and "num_splits" in n for n in notes)
     assert any("fc2_fprop" in n and "aggregate" in n for n in notes)
 

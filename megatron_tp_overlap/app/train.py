@@ -1,0 +1,213 @@
+"""The main job: train a GPT on mock data with Megatron-LM, TP = all local GPUs, the userbuffers overlap config
+tuned live before the first iteration (or reused from the cache).
+
+    torchrun --nproc-per-node=$(nvidia-smi -L | wc -l) -m megatron_tp_overlap.train \\
+        [model=llama3_8b model.num_layers=4 parallel.tp=4 tp_overlap.seconds=30 ...]
+
+Config: ``conf/`` (schema :mod:`app.config`). All ranks share one run directory ``output.root/<name>`` (rank 0
+picks the name): resolved config, tuned YAML, report, plot, logs, TensorBoard events.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from megatron_tp_overlap.app.config import CONF_DIR, check_overrides, register, resolve_model, validate
+from megatron_tp_overlap.engine.options import TUNED_YAML_NAME, option_fields
+
+TAG = "[megatron-tp-overlap]"
+
+
+def compose(overrides: list[str] | None = None) -> Any:
+    """The resolved config for ``overrides`` (Hydra's compose API; what the app sees)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    register()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        return hydra_compose(config_name="config", overrides=list(overrides or []))
+
+
+def agree_run_dir(root: str, name: str | None, group: Any = None) -> Path:
+    """Rank 0 picks ``root/name`` (default: a timestamp) and creates it; every rank gets the same path."""
+    import torch.distributed as dist
+
+    chosen = [None]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        base = Path(root) / (name or datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
+        path, i = base, 1
+        while name is None and path.exists():  # two runs started in the same second
+            path, i = base.with_name(f"{base.name}-{i}"), i + 1
+        path.mkdir(parents=True, exist_ok=True)
+        chosen = [str(path.resolve())]
+    if dist.is_initialized():
+        dist.broadcast_object_list(chosen, src=0, group=group)
+    return Path(chosen[0])
+
+
+def option_flags(ov: Any) -> list[str]:
+    """The ``--tp-comm-overlap-autotune-*`` flags for the autotune options in ``ov`` (generated, like the flags)."""
+    from megatron_tp_overlap.integrations.megatron.flags import flag_name
+
+    out = []
+    for f in option_fields():
+        v = getattr(ov, f.name)
+        if v is None:
+            continue
+        out += (
+            [flag_name(f.name) if v else "--no-" + flag_name(f.name)[2:]]
+            if isinstance(v, bool)
+            else [flag_name(f.name), str(v)]
+        )
+    return out
+
+
+def overlap_flags(cfg: Any, run_dir: Path) -> tuple[list[str], str]:
+    """Megatron flags for ``cfg.tp_overlap`` and a line saying what will happen."""
+    from megatron_tp_overlap.ub.config import dumps_yaml
+    from megatron_tp_overlap.ub.presets import get_preset
+
+    ov = cfg.tp_overlap
+    if ov.mode == "off":
+        return [], "TP overlap off (sequence parallelism over NCCL)"
+    flags, given = ["--tp-comm-overlap"], "TE's default ub_cfgs"
+    if ov.preset is not None:
+        target = run_dir / f"{ov.preset}.yaml"
+        target.write_text(dumps_yaml(get_preset(ov.preset), header=f"NeMo preset {ov.preset}"))
+        flags, given = flags + ["--tp-comm-overlap-cfg", str(target)], f"preset {ov.preset}"
+    elif ov.file:
+        flags, given = flags + ["--tp-comm-overlap-cfg", str(ov.file)], str(ov.file)
+    if ov.mode != "autotune":
+        return flags, f"TP overlap with {given}"
+    output = ov.output or str(run_dir / TUNED_YAML_NAME)
+    flags += ["--tp-comm-overlap-autotune", *option_flags(ov), "--tp-comm-overlap-autotune-output", output]
+    return flags, (
+        f"tuning the TP overlap config live from {given} (budget {ov.seconds:g} s / {ov.steps} steps"
+        + ("; a config tuned before for this shape is reused" if ov.reuse else "")
+        + ")"
+    )
+
+
+def megatron_args(cfg: Any, tp: int) -> list[str]:
+    from megatron_tp_overlap.integrations.megatron.gpt import megatron_argv
+
+    m, tr = resolve_model(cfg.model), cfg.training
+    return megatron_argv(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        ffn_hidden_size=m.ffn_hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.num_query_groups,
+        kv_channels=m.kv_channels,
+        seq_length=tr.seq_length,
+        vocab_size=m.vocab_size,
+        tp=tp,
+        pp=cfg.parallel.pp,
+        sequence_parallel=cfg.parallel.sequence_parallel,
+        micro_batch_size=tr.micro_batch_size,
+        global_batch_size=tr.global_batch_size,
+        train_iters=tr.train_iters,
+        precision=tr.precision,
+        lr=tr.lr,
+        seed=tr.seed,
+        swiglu=bool(m.swiglu),
+    )
+
+
+class _Tee:
+    def __init__(self, *streams: Any):
+        self.streams = streams
+
+    def write(self, s: str) -> int:
+        for st in self.streams:
+            st.write(s)
+        return len(s)
+
+    def flush(self) -> None:
+        for st in self.streams:
+            st.flush()
+
+    def isatty(self) -> bool:
+        return False
+
+
+def iteration_times(run_dir: Path) -> list[float]:
+    """ms between consecutive logged iterations (the iteration log of the last pipeline stage)."""
+    files = sorted(run_dir.glob("iterations.rank*"))
+    if not files:
+        return []
+    rows = [json.loads(line) for line in files[-1].read_text().splitlines() if line.strip()]
+    t = [r["t"] for r in rows if "t" in r]
+    return [1e3 * (b - a) for a, b in zip(t, t[1:])]
+
+
+def summarize(run_dir: Path, tuned_yaml: Path) -> None:
+    """Rank 0, after training: the plot of the tuning report and step times, and a last line."""
+    step_ms = iteration_times(run_dir)
+    report = tuned_yaml.with_suffix(".report.json")
+    if report.exists():
+        from megatron_tp_overlap.tools.plots import plot_report
+
+        print(
+            f"{TAG} plot: {plot_report(json.loads(report.read_text()), run_dir / 'tp_overlap.png', step_ms=step_ms[1:])}"
+        )
+    if step_ms:
+        tail = sorted(step_ms[len(step_ms) // 5 :])
+        print(
+            f"{TAG} {len(step_ms) + 1} iterations; median time between iterations {tail[len(tail) // 2]:.1f} ms; "
+            f"outputs in {run_dir}"
+        )
+
+
+def run(cfg: Any) -> None:
+    import torch
+    import torch.distributed as dist
+    from omegaconf import OmegaConf
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    problems = validate(cfg, world)
+    if problems:
+        raise SystemExit("megatron_tp_overlap.train: invalid config:\n" + "\n".join(f"  - {p}" for p in problems))
+    if not torch.cuda.is_available():
+        raise SystemExit("megatron_tp_overlap.train needs CUDA GPUs (launch with torchrun on a GPU node)")
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl")
+    rank = dist.get_rank()
+    run_dir = agree_run_dir(cfg.output.root, cfg.output.name)
+    log_file = open(run_dir / f"log.rank{rank}.txt", "a")
+    sys.stdout = _Tee(sys.__stdout__, log_file)  # type: ignore[assignment]
+    flags, what = overlap_flags(cfg, run_dir)
+    if rank == 0:
+        OmegaConf.save(cfg, run_dir / "config.yaml")
+        print(f"{TAG} run directory {run_dir}; {what}", flush=True)
+
+    from megatron_tp_overlap.integrations.megatron.gpt import main as megatron_main
+
+    argv = megatron_args(cfg, cfg.parallel.tp or world) + flags + ["--tensorboard-dir", str(run_dir / "tensorboard")]
+    megatron_main(argv, iteration_log=run_dir / "iterations")
+    dist.barrier()
+    if rank == 0:
+        summarize(run_dir, Path(cfg.tp_overlap.output or run_dir / TUNED_YAML_NAME))
+    log_file.flush()
+
+
+def main() -> None:
+    problems = check_overrides(sys.argv[1:])
+    if problems:
+        print("megatron_tp_overlap.train: " + "\n  ".join(["invalid overrides:", *problems]), file=sys.stderr)
+        raise SystemExit(2)
+    import hydra
+
+    register()
+    hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)(run)()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""Tuned configs kept for reuse, on one machine or a shared filesystem.
+
+One key, :class:`TuningKey`: everything a tuned config depends on (GPU, TE version, TP/CP, tokens per
+micro-batch, every GEMM dimension, dtype, dgrad mode, the starting config and the search space). Safe under
+concurrent runs: a file lock around read-modify-write and atomic replacement of every file; a corrupt entry
+is ignored with a warning (the next tuning replaces it), never fatal.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from filelock import FileLock
+
+from megatron_tp_overlap.atomic import atomic_write_text
+from megatron_tp_overlap.errors import ConfigError
+from megatron_tp_overlap.ub.config import UbConfig, dumps_yaml, loads_yaml
+
+CACHE_ENV = "MEGATRON_TP_OVERLAP_CACHE"
+
+
+@dataclass(frozen=True)
+class TuningKey:
+    gpu: str
+    te_version: str
+    tp: int
+    cp: int
+    tokens: int  # sequence length x micro-batch size / CP (the userbuffers shape)
+    hidden: int
+    ffn: int
+    heads: int
+    kv_groups: Optional[int]  # None: multi-head attention
+    kv_channels: int
+    gated_mlp: bool
+    dtype: str  # bf16 | fp8 | ...
+    bf16_edge_layers: bool
+    rs_dgrad: bool
+    reference: str  # digest of the config tuning starts from
+    space: str  # what the search may choose (e.g. "allow_off")
+
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def config_digest(ub: UbConfig) -> str:
+    return hashlib.sha256(json.dumps(ub.to_dict(), sort_keys=True).encode()).hexdigest()[:12]
+
+
+@dataclass(frozen=True)
+class CachedConfig:
+    ub: UbConfig
+    disabled: frozenset[str]  # GEMMs whose overlap the tuned config switches off
+    meta: dict[str, Any]
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get(CACHE_ENV, Path.home() / ".cache" / "megatron_tp_overlap"))
+
+
+class TunedConfigCache:
+    def __init__(self, root: str | Path | None = None):
+        self.root = Path(root).expanduser() if root is not None else default_cache_dir()
+
+    def _paths(self, key: TuningKey) -> tuple[Path, Path]:
+        d = key.digest()
+        return self.root / f"{d}.yaml", self.root / f"{d}.json"
+
+    def _lock(self) -> FileLock:
+        self.root.mkdir(parents=True, exist_ok=True)
+        return FileLock(str(self.root / ".lock"), timeout=120)
+
+    def get(self, key: TuningKey) -> CachedConfig | None:
+        """The cached config for ``key``, or None (missing, corrupt, or written for another key)."""
+        yaml_path, meta_path = self._paths(key)
+        if not yaml_path.exists():
+            return None
+        with self._lock():
+            try:
+                meta = json.loads(meta_path.read_text())
+                if meta.get("key") != asdict(key):
+                    raise ValueError("key mismatch")
+                ub = loads_yaml(yaml_path.read_text(), str(yaml_path))
+                if meta.get("ub_cfgs_digest") != config_digest(ub):  # YAML and metadata of different writes
+                    raise ValueError("the YAML does not match its metadata")
+                return CachedConfig(ub, frozenset(meta.get("overlap_off", [])), meta)
+            except (OSError, ValueError, ConfigError) as e:
+                warnings.warn(f"ignoring corrupt tuned-config cache entry {yaml_path}: {e}", stacklevel=2)
+                return None
+
+    def put(
+        self, key: TuningKey, ub: UbConfig, disabled: frozenset[str] = frozenset(), meta: dict[str, Any] | None = None
+    ) -> Path:
+        yaml_path, meta_path = self._paths(key)
+        with self._lock():
+            atomic_write_text(yaml_path, dumps_yaml(ub, header=f"megatron-tp-overlap cache entry {key.digest()}"))
+            record = {
+                "key": asdict(key),
+                "ub_cfgs_digest": config_digest(ub),
+                "overlap_off": sorted(disabled),
+                **(meta or {}),
+            }
+            atomic_write_text(meta_path, json.dumps(record, indent=1) + "\n")
+        return yaml_path

@@ -1,0 +1,38 @@
+"""Robust statistics of step-time samples (ms) for the search's decisions."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+
+
+def robust_sigma(values: Sequence[float]) -> float:
+    """Standard deviation estimated from the median absolute deviation (outlier-resistant)."""
+    if len(values) < 2:
+        return 0.0
+    med = statistics.median(values)
+    return 1.4826 * statistics.median(abs(v - med) for v in values)
+
+
+def pooled_sigma(groups: Sequence[Sequence[float]]) -> float:
+    """Step-to-step spread pooled over groups of repeats of the same thing (residuals to each median)."""
+    resid = [v - statistics.median(g) for g in groups if len(g) >= 2 for v in g]
+    return robust_sigma(resid) if len(resid) >= 2 else 0.0
+
+
+def significant_gain(
+    base: Sequence[float], cand: Sequence[float], sigma: float, z: float, rel_floor: float
+) -> tuple[float, float]:
+    """(gain, threshold) in the units of the samples: gain = median(base) - median(cand)."""
+    gain = statistics.median(base) - statistics.median(cand)
+    se = sigma * math.sqrt(1.0 / max(len(base), 1) + 1.0 / max(len(cand), 1))
+    return gain, max(z * se, rel_floor * statistics.median(base))
+
+
+def rotated(items: list, r: int) -> list:
+    """``items`` rotated left by ``r``: over len(items) rounds every item follows every other once."""
+    if not items:
+        return items
+    k = r % len(items)
+    return items[k:] + items[:k]

@@ -1,0 +1,194 @@
+"""Live switching of TE userbuffers configs inside one process.
+
+``destroy_ub()`` then ``initialize_ub(candidate)`` with the shape, TP size, quantization modes and
+bootstrap backend of the original initialization, plus the module flags for GEMMs whose overlap is
+switched off.
+
+The trap (see the device README): all CommOverlap objects share one static userbuffers
+communicator and the *first* object destroyed tears it down. If anything still references an old
+communicator after ``destroy_ub()`` (typically an autograd graph whose ctx holds ``ub_obj_*``),
+it dies during the next config and destroys the new shared communicator. So before destroying we
+collect garbage, synchronize, and check that TE's registry holds the only references; otherwise we
+raise :class:`StaleCommunicatorError` naming the holders instead of corrupting the next config.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from megatron_tp_overlap.engine.space import TuningConfig
+from megatron_tp_overlap.engine.topology import OverlapModule
+from megatron_tp_overlap.errors import StaleCommunicatorError
+
+
+@dataclass
+class UbInitArgs:
+    """The arguments of the original ``initialize_ub`` call, minus ``ub_cfgs``."""
+
+    shape: list[int]
+    tp_size: int
+    quantization_modes: list[Any] | None = None
+    dtype: Any = None
+    bootstrap_backend: str | None = None
+    use_fp8: bool = False
+    with_cublasmp: bool = False
+    ub_cfgs: Any = None  # what the user passed first (dict or list per quantization mode)
+
+    def kwargs(self) -> dict[str, Any]:
+        kw: dict[str, Any] = {"shape": list(self.shape), "tp_size": self.tp_size}
+        if self.quantization_modes is not None:
+            kw["quantization_modes"] = list(self.quantization_modes)
+        else:
+            kw["use_fp8"] = self.use_fp8
+        if self.dtype is not None:
+            kw["dtype"] = self.dtype
+        if self.bootstrap_backend is not None:
+            kw["bootstrap_backend"] = self.bootstrap_backend
+        if self.with_cublasmp:
+            kw["with_cublasmp"] = True
+        return kw
+
+    @property
+    def fp8(self) -> bool:
+        if self.quantization_modes is not None:
+            return any(getattr(m, "name", str(m)).upper().endswith("FP8") for m in self.quantization_modes)
+        return self.use_fp8
+
+
+def _sync() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def _te_base() -> Any:
+    from transformer_engine.pytorch.module import base  # TE's public module path used by Megatron
+
+    return base
+
+
+_captured: list[UbInitArgs] = []
+
+
+@contextlib.contextmanager
+def capture_initialize_ub() -> Iterator[list[UbInitArgs]]:
+    """Record the arguments of every ``initialize_ub`` call made inside the block (by Megatron, NeMo, ...)."""
+    base = _te_base()
+    original = base.initialize_ub
+    calls: list[UbInitArgs] = []
+
+    def recording(
+        shape,
+        tp_size,
+        use_fp8=False,
+        quantization_modes=None,
+        dtype=torch.bfloat16,
+        ub_cfgs=None,
+        bootstrap_backend=None,
+        with_cublasmp=False,
+    ):
+        calls.append(
+            UbInitArgs(
+                list(shape), tp_size, quantization_modes, dtype, bootstrap_backend, use_fp8, with_cublasmp, ub_cfgs
+            )
+        )
+        _captured.append(calls[-1])
+        return original(
+            shape=shape,
+            tp_size=tp_size,
+            use_fp8=use_fp8,
+            quantization_modes=quantization_modes,
+            dtype=dtype,
+            ub_cfgs=ub_cfgs,
+            bootstrap_backend=bootstrap_backend,
+            with_cublasmp=with_cublasmp,
+        )
+
+    base.initialize_ub = recording
+    try:
+        yield calls
+    finally:
+        base.initialize_ub = original
+
+
+def last_captured() -> UbInitArgs | None:
+    return _captured[-1] if _captured else None
+
+
+def stale_references(objects: Sequence[Any], expected: int) -> list[str]:
+    """Describe objects with more than ``expected`` references (beyond this function's own)."""
+    out = []
+    for obj in objects:
+        n = sys.getrefcount(obj) - 2  # the loop variable and getrefcount's argument
+        if n > expected:
+            holders = [type(r).__name__ for r in gc.get_referrers(obj) if r is not objects]
+            out.append(
+                f"{type(obj).__name__} has {n} references (expected {expected}); held by: {', '.join(holders[:6]) or '?'}"
+            )
+    return out
+
+
+@dataclass
+class UbSwitcher:
+    """Applies :class:`TuningConfig` s to a live model: re-initializes userbuffers only when the
+    ``ub_cfgs`` change, and always sets the module flags."""
+
+    init_args: UbInitArgs
+    modules: Sequence[OverlapModule]
+    barrier: Callable[[], None] = lambda: None
+    current: TuningConfig | None = None
+    reinits: int = 0
+    reinit_seconds: list[float] = field(default_factory=list)
+
+    def _release(self) -> None:
+        """Drop every reference to the current communicators, then destroy them."""
+        base = _te_base()
+        gc.collect()
+        _sync()
+        comms = base._ub_communicators
+        if comms:
+            objs = list(comms.values())
+            stale = stale_references(objs, expected=2)  # TE's dict + our list
+            del objs
+            if stale:
+                raise StaleCommunicatorError(
+                    "cannot switch userbuffers configs: a communicator of the current config is still "
+                    "referenced (drop the outputs/loss of the last step so its autograd graph is freed). "
+                    + "; ".join(stale[:3])
+                )
+        self.barrier()
+        base.destroy_ub()  # the communicators were referenced by TE alone: freed here, no collection needed
+        _sync()
+        self.barrier()
+
+    def apply(self, config: TuningConfig, force: bool = False) -> bool:
+        """Make ``config`` live. Returns True when userbuffers were re-initialized (always with ``force``)."""
+        reinit = force or self.current is None or config.ub != self.current.ub
+        if reinit:
+            base = _te_base()
+            t0 = time.perf_counter()
+            if base.is_ub_initialized():
+                self._release()
+            cfgs = config.ub.to_dict()
+            n_modes = len(self.init_args.quantization_modes or [None])
+            base.initialize_ub(**self.init_args.kwargs(), ub_cfgs=cfgs if n_modes == 1 else [cfgs] * n_modes)
+            _sync()
+            self.barrier()
+            self.reinits += 1
+            self.reinit_seconds.append(time.perf_counter() - t0)
+        enabled = {g for m in self.modules for g in m.active_gemms()} - set(config.disabled)
+        for m in self.modules:
+            m.set_flags(m.flags_for(config.ub, enabled & m.active_gemms()))
+        self.current = config
+        return reinit
+
+    def restore_built_flags(self) -> None:
+        for m in self.modules:
+            m.set_flags(m.built_flags)

@@ -1,0 +1,182 @@
+"""Which TE modules of a model overlap which GEMMs, and the module flags that switch them.
+
+TE reads a module's overlap flags (``ub_overlap_ag_fprop``, ``ub_bulk_dgrad``, ...) at every
+forward, so "no overlap for this GEMM" is a flag flip between steps, no re-initialization. Modules
+are recognised by their TE class names along the MRO (so Megatron's ``TELayerNormColumnParallelLinear``
+etc. qualify) without importing TE or Megatron here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from megatron_tp_overlap.ub.config import EXTERNAL_GEMMS, GEMM_NAMES, UbConfig
+
+# Flag attributes per TE module kind (TE 2.20).
+COLUMN_FLAGS = ("ub_overlap_ag_fprop", "ub_overlap_rs_dgrad", "ub_bulk_dgrad", "ub_bulk_wgrad")
+ROW_FLAGS = ("ub_overlap_rs_fprop", "ub_overlap_ag_dgrad")
+MLP_FLAGS = ("ub_overlap_ag", "ub_overlap_rs", "ub_overlap_rs_dgrad", "ub_bulk_dgrad", "ub_bulk_wgrad")
+
+
+def te_kind(module: torch.nn.Module) -> str | None:
+    """ "column", "row" or "mlp" for a TE module that can use userbuffers; else None."""
+    names = {c.__name__ for c in type(module).__mro__}
+    if "LayerNormMLP" in names and hasattr(module, "ub_overlap_ag"):
+        return "mlp"
+    if ({"Linear", "LayerNormLinear"} & names) and hasattr(module, "ub_overlap_rs_fprop"):
+        if getattr(module, "ub_name", None) is None:
+            return None
+        return "row" if getattr(module, "parallel_mode", None) == "row" else "column"
+    return None
+
+
+@dataclass
+class OverlapModule:
+    """One TE module that takes part in TP overlap, with the flags it was built with."""
+
+    module: torch.nn.Module
+    kind: str  # column | row | mlp
+    name: str  # ub name: qkv/proj/fc1/fc2, or "mlp" for LayerNormMLP
+    path: str  # dotted path in the model
+    built_flags: dict[str, bool]
+
+    @property
+    def slot_prefix(self) -> str:
+        return self.name
+
+    def active_gemms(self) -> set[str]:
+        """GEMMs this module overlaps with the flags it was built with."""
+        f, n = self.built_flags, self.name
+        out: set[str] = set()
+        if self.kind == "column":
+            if f["ub_overlap_ag_fprop"]:
+                out.add(f"{n}_fprop")
+            if f["ub_overlap_rs_dgrad"] or f["ub_bulk_dgrad"]:
+                out.add(f"{n}_dgrad")
+            if f["ub_bulk_wgrad"] and not f["ub_overlap_rs_dgrad"]:
+                out.add(f"{n}_wgrad")
+        elif self.kind == "row":
+            if f["ub_overlap_rs_fprop"]:
+                out.add(f"{n}_fprop")
+            if f["ub_overlap_ag_dgrad"]:
+                out |= {f"{n}_dgrad", f"{n}_wgrad"}
+        else:
+            if f["ub_overlap_ag"]:
+                out |= {"fc1_fprop", "fc2_dgrad", "fc2_wgrad"}
+            if f["ub_overlap_rs"]:
+                out.add("fc2_fprop")
+            if f["ub_overlap_rs_dgrad"] or f["ub_bulk_dgrad"]:
+                out.add("fc1_dgrad")
+            if f["ub_bulk_wgrad"] and not f["ub_overlap_rs_dgrad"]:
+                out.add("fc1_wgrad")
+        return out
+
+    def flags_for(self, ub: UbConfig, enabled: set[str]) -> dict[str, bool]:
+        """Module flags that run ``ub`` with overlap on exactly for ``enabled`` GEMMs."""
+
+        def dgrad_flags(n: str) -> dict[str, bool]:
+            on, rs = f"{n}_dgrad" in enabled, ub.dgrad_is_reduce_scatter(f"{n}_dgrad")
+            return {
+                "ub_overlap_rs_dgrad": on and rs,
+                "ub_bulk_dgrad": on and not rs,
+                "ub_bulk_wgrad": (f"{n}_wgrad" in enabled) and not rs,
+            }
+
+        if self.kind == "column":
+            return {"ub_overlap_ag_fprop": f"{self.name}_fprop" in enabled, **dgrad_flags(self.name)}
+        if self.kind == "row":
+            return {
+                "ub_overlap_rs_fprop": f"{self.name}_fprop" in enabled,
+                "ub_overlap_ag_dgrad": f"{self.name}_dgrad" in enabled,
+            }
+        return {"ub_overlap_ag": "fc1_fprop" in enabled, "ub_overlap_rs": "fc2_fprop" in enabled, **dgrad_flags("fc1")}
+
+    def set_flags(self, flags: dict[str, bool]) -> None:
+        for k, v in flags.items():
+            setattr(self.module, k, v)
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The overlap structure of a model: which GEMMs are active and how they group into timed slots.
+
+    A *slot* is one timed region: the forward or the backward of one module kind (summed over layers).
+    Modules run one after another, so every slot can try a different candidate in the same step.
+    """
+
+    kinds: tuple[tuple[str, str], ...]  # (ub name, kind), e.g. (("qkv","column"), ("proj","row"), ("mlp","mlp"))
+    active: frozenset[str]
+    layers: int
+
+    @property
+    def fused_mlp(self) -> bool:
+        return any(k == "mlp" for _, k in self.kinds)
+
+    def slots(self) -> dict[str, tuple[str, ...]]:
+        """``{"qkv.fwd": ("qkv_fprop",), "qkv.bwd": ("qkv_dgrad", "qkv_wgrad"), ...}`` (active GEMMs)."""
+        out: dict[str, tuple[str, ...]] = {}
+        for name, kind in self.kinds:
+            mods = ("fc1", "fc2") if kind == "mlp" else (name,)
+            fwd = tuple(g for m in mods for g in (f"{m}_fprop",) if g in self.active)
+            bwd = tuple(g for m in reversed(mods) for g in (f"{m}_dgrad", f"{m}_wgrad") if g in self.active)
+            out[f"{name}.fwd"], out[f"{name}.bwd"] = fwd, bwd
+        return out
+
+    def slot_of(self, gemm: str) -> str:
+        for slot, gemms in self.slots().items():
+            if gemm in gemms:
+                return slot
+        raise KeyError(f"{gemm} is not overlapped by any module of this model")
+
+    def coupled(self, gemm: str) -> frozenset[str]:
+        """GEMMs whose overlap goes on/off together with ``gemm`` (they share one module flag)."""
+        group = {gemm}
+        for wgrad, dgrad in EXTERNAL_GEMMS.items():  # external wgrad rides on its dgrad's all-gather
+            if gemm in (wgrad, dgrad):
+                group |= {wgrad, dgrad}
+        if self.fused_mlp and group & {"fc1_fprop", "fc2_dgrad", "fc2_wgrad"}:
+            group |= {"fc1_fprop", "fc2_dgrad", "fc2_wgrad"}  # LayerNormMLP.ub_overlap_ag
+        return frozenset(group & self.active)
+
+    def tunable(self, gemm: str) -> bool:
+        return gemm in self.active and gemm not in EXTERNAL_GEMMS
+
+
+def find_overlap_modules(model: torch.nn.Module | Iterable[torch.nn.Module]) -> list[OverlapModule]:
+    """Every TE module in ``model`` (one module or several, e.g. Megatron's model chunks) that uses userbuffers."""
+    roots = [model] if isinstance(model, torch.nn.Module) else list(model)
+    found: list[OverlapModule] = []
+    for i, root in enumerate(roots):
+        for path, m in root.named_modules():
+            kind = te_kind(m)
+            if kind is None:
+                continue
+            flags = {k: bool(getattr(m, k)) for k in {"column": COLUMN_FLAGS, "row": ROW_FLAGS, "mlp": MLP_FLAGS}[kind]}
+            name = "mlp" if kind == "mlp" else str(m.ub_name)
+            om = OverlapModule(m, kind, name, f"{i}.{path}" if len(roots) > 1 else path, flags)
+            if om.active_gemms():
+                found.append(om)
+    return found
+
+
+def build_topology(modules: list[OverlapModule]) -> Topology:
+    if not modules:
+        raise ValueError(
+            "no Transformer Engine module with userbuffers overlap found in the model "
+            "(build it after initialize_ub() with ub_overlap_* / ub_bulk_* flags, "
+            "e.g. Megatron's --tp-comm-overlap or te.TransformerLayer(ub_tp_comm_overlap=True))"
+        )
+    kinds: dict[str, str] = {}
+    counts: dict[str, int] = {}
+    active: set[str] = set()
+    for m in modules:
+        if kinds.setdefault(m.name, m.kind) != m.kind:
+            raise ValueError(f"modules named {m.name!r} are of different kinds ({kinds[m.name]} and {m.kind})")
+        counts[m.name] = counts.get(m.name, 0) + 1
+        active |= m.active_gemms()
+    order = {"qkv": 0, "proj": 1, "fc1": 2, "mlp": 2, "fc2": 3}
+    ordered = tuple(sorted(kinds.items(), key=lambda kv: order.get(kv[0], 9)))
+    return Topology(kinds=ordered, active=frozenset(g for g in GEMM_NAMES if g in active), layers=max(counts.values()))

@@ -1,0 +1,367 @@
+"""The autotuner: find the fastest ``ub_cfgs`` for a live model in a few seconds of trial steps.
+
+Framework-agnostic: it needs the model (to find its TE overlap modules), a callable that runs one
+forward+backward step, and the arguments of the original ``initialize_ub`` call. The step callable
+must not keep its outputs (a live autograd graph holds communicators of the current config).
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from megatron_tp_overlap.engine.faults import InjectedFault
+from megatron_tp_overlap.engine.faults import from_env as faults_from_env
+from megatron_tp_overlap.engine.measure import SlotTimer, agree_max, cuda_event
+from megatron_tp_overlap.engine.numerics import rel_diff
+from megatron_tp_overlap.engine.report import build_report, render_summary, summary_rows
+from megatron_tp_overlap.engine.search import Measurement, Searcher, SearchOptions, SearchResult, Trial, TrialFailed
+from megatron_tp_overlap.engine.space import (
+    Option,
+    SpaceSpec,
+    TuningConfig,
+    all_off,
+    allows_dgrad_mode,
+    apply,
+    build_space,
+    is_valid,
+)
+from megatron_tp_overlap.engine.switcher import UbInitArgs, UbSwitcher
+from megatron_tp_overlap.engine.topology import OverlapModule, Topology, build_topology, find_overlap_modules
+from megatron_tp_overlap.ub.config import BULK_DGRAD_GEMMS, UbConfig
+from megatron_tp_overlap.ub.presets import PRESETS
+from megatron_tp_overlap.ub.rules import ValidationContext, check
+
+
+def rank0_print(*args: Any) -> None:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
+        print(*args, flush=True)
+
+
+def device_sm_count() -> int | None:
+    return (
+        torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+        if torch.cuda.is_available()
+        else None
+    )
+
+
+@dataclass
+class TuneResult:
+    best: TuningConfig
+    search: SearchResult
+    topology: Topology
+    report: dict[str, Any]
+    summary: str
+    switches: int
+    wall_s: float
+
+
+@dataclass
+class Autotuner:
+    """Tune the userbuffers config of ``model`` in-process; the winner is left applied.
+
+    Args:
+        model: the model (or its chunks) built with TE modules that use userbuffers.
+        step_fn: runs one forward+backward step; returns nothing that holds the graph.
+        init_args: the original ``initialize_ub`` arguments (see ``ub_runtime.capture_initialize_ub``).
+        reference: the config the run would use without tuning (the user's; default: TE defaults).
+        options: search strategy and budgets.
+    """
+
+    model: torch.nn.Module | Sequence[torch.nn.Module]
+    step_fn: Callable[[], Any]
+    init_args: UbInitArgs
+    reference: UbConfig | None = None
+    options: SearchOptions = field(default_factory=SearchOptions)
+    space_spec: SpaceSpec = field(default_factory=SpaceSpec)
+    priors: Iterable[UbConfig] | None = None  # default: TE defaults + NeMo presets
+    group: Any = None  # process group whose ranks must agree (default: world)
+    log: Callable[..., None] = rank0_print
+    progress: Callable[[Trial, Searcher], None] | None = None
+    event_factory: Callable[[], Any] = cuda_event
+    timing_device: str = "cuda"
+    verify_fn: Callable[[], torch.Tensor] | None = None  # fingerprint of one step (numerics.Fingerprint)
+    verify_rtol: float = 2e-2  # bf16: relative L2 error against the no-overlap reference
+    allow_overlap_off: bool = True  # False: "no overlap" is measured for the report but never chosen
+    trial_timeout_s: float = 120.0  # a trial slower than this is rejected (checked when it returns)
+    faults: list = field(default_factory=lambda: faults_from_env())  # reliability tests only
+    gemms: set[str] | None = None  # tune only these GEMMs (others keep the reference's setting)
+    clock: Callable[[], float] = time.perf_counter  # wall clock, s (tests drive a synthetic one)
+    sleep: Callable[[float], None] = time.sleep
+
+    def __post_init__(self) -> None:
+        self.modules: list[OverlapModule] = find_overlap_modules(self.model)
+        self.topology = build_topology(self.modules)
+        self.ctx = ValidationContext(fp8=self.init_args.fp8, sm_count=device_sm_count(), tp_size=self.init_args.tp_size)
+        ref = self.reference if self.reference is not None else UbConfig()
+        check(ref, self.ctx, "reference config")  # bad input fails here, before any GPU work
+        self.reference = ref
+        self.switcher = UbSwitcher(self.init_args, self.modules, barrier=self._barrier)
+        self._t0 = 0.0
+        self._ref_fp: torch.Tensor | None = None
+        self._guard_off: str | None = None
+        self._trial_index = 0
+        self.numerics: dict[str, float] = {}
+
+    def _barrier(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier(group=self.group)
+
+    def _fault(self, kind: str, config: TuningConfig) -> bool:
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        return any(f.hits(kind, self._trial_index, config.describe(), rank) for f in self.faults)
+
+    # One trial: switch, warm up, time `steps` steps, agree with the other ranks.
+    _FAILURES = {1: "raised", 2: "exceeded the trial timeout", 3: "gave non-finite timings"}
+
+    def evaluate(self, config: TuningConfig, steps: int, warmup: int) -> Measurement:
+        slots = list(self.topology.slots())
+        error = 0.0
+        per_slot: dict[str, list[float]] = {s: [math.nan] * steps for s in slots}
+        step_ms = [math.nan] * steps
+        timer = SlotTimer(self.modules, self.event_factory)
+        t_trial = self.clock()
+
+        def attempt(fn: Callable[[], Any]) -> bool:
+            """Run ``fn``; True while every rank is fine. The ranks agree after each phase and each
+            step, so a rank that fails between steps never leaves the others waiting in the next
+            step's collectives (one host sync per step; steps are timed with events, unaffected)."""
+            nonlocal error
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001 - the other ranks must hear about it
+                error = 1.0
+                self.log(f"[tp-overlap-autotune] trial failed on this rank: {type(e).__name__}: {e}")
+            return agree_max([error], self.group, self.timing_device)[0] == 0
+
+        def switch() -> None:
+            if self._fault("init", config):
+                raise InjectedFault("injected fault while switching userbuffers config")
+            self.switcher.apply(config)
+
+        def timed_step(i: int) -> None:
+            timer.begin_step()
+            self.step_fn()
+            timer.end_step()
+            if i == 0 and self._fault("step", config):
+                raise InjectedFault("injected fault during a trial step")
+            if i == 0 and self._fault("timeout", config):
+                self.sleep(self.trial_timeout_s)
+
+        ok = attempt(switch) and all(attempt(self.step_fn) for _ in range(warmup))
+        if ok:
+            with timer:
+                ok = all(attempt(lambda i=i: timed_step(i)) for i in range(steps))
+                if ok:
+                    if self.timing_device == "cuda":
+                        torch.cuda.synchronize()
+                    per_slot, step_ms = timer.collect(slots)
+        if ok and self._fault("nan", config):
+            step_ms = [math.nan] * steps
+        if error == 0 and self.clock() - t_trial > self.trial_timeout_s:
+            error = 2.0
+        elif error == 0 and not all(math.isfinite(v) for v in step_ms):
+            error = 3.0 if ok else error
+        self._trial_index += 1
+        flat = [v for s in slots for v in per_slot[s]] + list(step_ms) + [self.clock() - self._t0, error]
+        agreed = agree_max(flat, self.group, self.timing_device)
+        if agreed[-1] > 0:  # every rank raises together: nobody is left waiting in a collective
+            why = self._FAILURES.get(int(agreed[-1]), "failed")
+            raise TrialFailed(f"{why} on at least one rank: {config.describe()}")
+        n = len(slots) * steps
+        return Measurement(
+            slot_ms={s: agreed[i * steps : (i + 1) * steps] for i, s in enumerate(slots)},
+            step_ms=agreed[n : n + steps],
+            elapsed_s=agreed[-2],
+            steps_run=steps + warmup,
+        )
+
+    # Allowed deviation from no overlap, as a multiple of the reference config's own deviation: any
+    # userbuffers path rounds differently from NCCL (reduction order, GEMM chunking), and in a deep
+    # model that alone reaches several % (H200, TE 2.20: 3% at TP=4 for a 4-layer GPT, for every
+    # config alike). A wrong result (e.g. a mis-switched reduce-scatter dgrad) is off by O(1).
+    REFERENCE_DEVIATION_FACTOR = 3.0
+    MAX_TOLERANCE = 0.5
+
+    def tolerance(self) -> float:
+        """The numerics guard's bound: max(verify_rtol, 3 x the reference config's deviation, 3 x the spread of
+        two identical no-overlap steps), at most 0.5."""
+        ref_dev = self.numerics.get("reference config", 0.0)
+        floor = self.numerics.get("no overlap (repeat)", 0.0)
+        f = self.REFERENCE_DEVIATION_FACTOR
+        return min(max(self.verify_rtol, f * ref_dev, f * floor), max(self.verify_rtol, self.MAX_TOLERANCE))
+
+    def _calibrate(self) -> None:
+        """No-overlap fingerprint (twice: the step must be reproducible), then the reference config's."""
+        self.switcher.apply(all_off(self.topology, TuningConfig(self.reference or UbConfig())))
+        self._ref_fp = self.verify_fn()
+        floor = agree_max([rel_diff(self.verify_fn(), self._ref_fp)], self.group, self.timing_device)[0]
+        self.numerics["no overlap (repeat)"] = floor
+        # Non-deterministic kernels (atomics in attention backward, Megatron without --deterministic-mode)
+        # make two identical steps differ by ~1e-2 on H200; the bound follows that spread. Only a step
+        # that cannot be told from a wrong config's O(1) error turns the guard off.
+        if not math.isfinite(floor) or self.REFERENCE_DEVIATION_FACTOR * floor > self.MAX_TOLERANCE:
+            self._guard_off = f"numerics guard off: two identical reference steps differ by {floor:.2e}"
+            self.log(f"[tp-overlap-autotune] WARNING {self._guard_off}; make verify_fn deterministic (restore RNG)")
+            return
+        if floor > self.verify_rtol / 2:
+            self.log(
+                f"[tp-overlap-autotune] two identical no-overlap steps differ by {floor:.2e}: numerics bound "
+                f"{self.REFERENCE_DEVIATION_FACTOR:g} x that"
+            )
+        self.switcher.apply(TuningConfig(self.reference or UbConfig(), frozenset(), "reference"))
+        dev = agree_max([rel_diff(self.verify_fn(), self._ref_fp)], self.group, self.timing_device)[0]
+        self.numerics["reference config"] = dev
+        if not math.isfinite(dev) or dev > self.MAX_TOLERANCE:
+            self.log(f"[tp-overlap-autotune] WARNING the reference config itself deviates from no overlap by {dev:.2e}")
+
+    def verify(self, config: TuningConfig) -> str | None:
+        """None if ``config`` reproduces the no-overlap fingerprint within :meth:`tolerance` on every rank."""
+        if self.verify_fn is None:
+            return None
+        err = 0.0
+        try:
+            if self._ref_fp is None:
+                self._calibrate()
+            if self._guard_off:
+                return None
+            self.switcher.apply(config)
+            err = rel_diff(self.verify_fn(), self._ref_fp)
+        except Exception as e:  # noqa: BLE001
+            self.log(f"[tp-overlap-autotune] numerics check raised: {type(e).__name__}: {e}")
+            err = math.inf
+        err = agree_max([err], self.group, self.timing_device)[0]
+        self.numerics[config.describe()] = err
+        tol = self.tolerance()
+        return None if err <= tol else f"rel. error {err:.2e} > {tol:.2g} vs no overlap"
+
+    def _outside_dgrad_mode(self, ub: UbConfig) -> bool:
+        """Whether ``ub`` runs an active qkv/fc1 dgrad in a mode ``space_spec`` excludes."""
+        return any(not allows_dgrad_mode(self.space_spec, ub, g) for g in self.topology.active)
+
+    def in_dgrad_mode(self, ub: UbConfig, space: dict[str, list[Option]]) -> UbConfig:
+        """``ub`` with each active qkv/fc1 dgrad that runs in a mode ``space_spec`` excludes set to the first
+        option of the space for it (priors first: a preset's setting) that passes the numerics check. E.g. TE's
+        default (bulk dgrad) under a reduce-scatter dgrad search, which would otherwise stay in the result as
+        the incumbent, unverified: the reference is never checked against itself."""
+        cfg = TuningConfig(ub)
+        for g in BULK_DGRAD_GEMMS:
+            if g not in space or allows_dgrad_mode(self.space_spec, cfg.ub, g):  # not tuned here, or in the mode
+                continue
+            for opt in (o for o in space[g] if o.enabled):
+                candidate = apply(cfg, opt, self.topology)
+                # the new reference is this tuner's choice, not the user's: it must compute what no overlap does
+                # (checked against the given reference's calibration: a wrong one must not widen the tolerance)
+                why = self.verify(candidate) if self.verify_fn is not None else None
+                if why is None:
+                    cfg = candidate
+                    break
+                self.log(f"[tp-overlap-autotune] {g}: {opt.label} left out as the starting point: {why}")
+            else:
+                self.log(
+                    f"[tp-overlap-autotune] WARNING no {g} setting in this dgrad mode passed the numerics "
+                    "check; keeping the reference's"
+                )
+        return cfg.ub
+
+    def _whole_config_priors(self) -> dict[str, TuningConfig]:
+        """The NeMo preset a user would copy for this shape, as a whole-config contender in the final
+        confirmation: a per-GEMM search can miss a combination that wins as a whole, and the result
+        should never be slower than a preset the tuner knew. Only when it is valid here and keeps to
+        the dgrad mode the space allows (``space_spec``); not when tuning a subset of GEMMs."""
+        if self.gemms is not None or self.priors is not None:
+            return {}
+        from megatron_tp_overlap.ub.presets import closest_preset
+
+        gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "h100"
+        name = closest_preset(self.init_args.shape[-1], self.init_args.tp_size, self.init_args.fp8, gpu)
+        cfg = TuningConfig(PRESETS[name], frozenset(), f"preset {name}")
+        if cfg.ub == self.reference or not is_valid(cfg, self.ctx):
+            return {}
+        if self._outside_dgrad_mode(cfg.ub):
+            return {}
+        return {cfg.label: cfg}
+
+    def tune(self) -> TuneResult:
+        # Each switch collects garbage (an old autograd graph holding a communicator must die first). The objects
+        # that exist before tuning (the whole framework) are frozen out of those collections: they cost a large
+        # process 10s of ms per collection, and none of them can hold a trial's communicator.
+        gc.collect()  # garbage from before tuning goes now, not frozen with the rest
+        gc.freeze()
+        try:
+            return self._tune()
+        finally:
+            gc.unfreeze()
+
+    def _tune(self) -> TuneResult:
+        t0 = self.clock()
+        self._t0 = t0
+        priors = list(self.priors) if self.priors is not None else [UbConfig(), *PRESETS.values()]
+        space = build_space(self.topology, self.ctx, [self.reference, *priors], self.space_spec)
+        if self.gemms is not None:
+            space = {g: v for g, v in space.items() if g in self.gemms}
+        given = self.reference
+        self.reference = self.in_dgrad_mode(given, space)
+        if self.reference != given:
+            self.log(
+                "[tp-overlap-autotune] the reference config runs qkv/fc1 dgrad in a mode this search excludes; "
+                f"starting from: {self.reference.describe()}"
+            )
+        reference = TuningConfig(self.reference, frozenset(), "reference")
+        baselines = {"no overlap": all_off(self.topology, reference)}
+        if len(self.reference):
+            baselines["TE default"] = TuningConfig(UbConfig(), frozenset(), "TE default")
+        baselines.update(self._whole_config_priors())
+        # measured for the report, never chosen: a config the run's dgrad mode cannot express
+        outside_mode = {n for n, c in baselines.items() if self._outside_dgrad_mode(c.ub)}
+        n_opts = sum(len(v) for v in space.values())
+        self.log(
+            f"[tp-overlap-autotune] {len(self.modules)} overlap modules, slots: "
+            + ", ".join(f"{s}({len(g)})" for s, g in self.topology.slots().items())
+            + f"; {n_opts} options over {len(space)} GEMMs; strategy={self.options.strategy}, "
+            f"budget {self.options.max_steps} steps / {self.options.max_seconds:.0f} s"
+        )
+        searcher = Searcher(
+            self.topology,
+            space,
+            self.evaluate,
+            self.ctx,
+            self.options,
+            self.progress,
+            verify=self.verify if self.verify_fn is not None else None,
+        )
+        searcher.report_only = frozenset(outside_mode | (set() if self.allow_overlap_off else {"no overlap"}))
+        result = searcher.run(reference, baselines)
+        self.switcher.apply(result.best)
+        wall = self.clock() - t0
+        meta = {
+            "tp_size": self.init_args.tp_size,
+            "shape": self.init_args.shape,
+            "fp8": self.init_args.fp8,
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "strategy": self.options.strategy,
+            "switches": self.switcher.reinits,
+            "reinit_s_median": sorted(self.switcher.reinit_seconds)[len(self.switcher.reinit_seconds) // 2]
+            if self.switcher.reinit_seconds
+            else None,
+            "wall_s": round(wall, 3),
+            "numerics_rel_error": self.numerics,
+            "numerics_guard": self._guard_off or f"on (tolerance {self.tolerance():.3g})",
+            "space": {g: [o.label for o in opts] for g, opts in space.items()},
+        }
+        report = build_report(result, self.topology, meta)
+        summary = render_summary(summary_rows(result, self.topology), result)
+        return TuneResult(result.best, result, self.topology, report, summary, self.switcher.reinits, wall)

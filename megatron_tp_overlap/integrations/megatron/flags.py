@@ -1,0 +1,132 @@
+"""Megatron-LM's command line: the ``--tp-comm-overlap-autotune*`` flags (generated from
+:class:`~engine.options.TuneOptions`), the checks of a flag combination before any GPU work, and the flags
+that reproduce a tuned config (the recipe). Pure: CPU-testable without Megatron."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+from typing import Any, Optional
+
+from megatron_tp_overlap.atomic import unwritable
+from megatron_tp_overlap.engine.options import PREFIX, TUNED_YAML_NAME, TuneOptions, option_fields
+from megatron_tp_overlap.errors import ConfigError
+from megatron_tp_overlap.integrations.megatron.run_shape import RunShape
+from megatron_tp_overlap.ub.config import UbConfig
+
+FLAG = "--" + PREFIX.replace("_", "-")
+
+
+def flag_name(option: str) -> str:
+    """``seconds`` -> ``--tp-comm-overlap-autotune-seconds``."""
+    return f"{FLAG}-{option.replace('_', '-')}"
+
+
+_TYPES = {"float": float, "int": int, "str": str, "Optional[str]": str}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Megatron ``extra_args_provider``: the switch and one flag per :class:`TuneOptions` field."""
+    g = parser.add_argument_group("tp-comm-overlap autotune (megatron-tp-overlap)")
+    g.add_argument(
+        FLAG,
+        action="store_true",
+        help="Tune the userbuffers config (ub_cfgs) on the real model before the "
+        "first iteration, apply it, and write it as a --tp-comm-overlap-cfg YAML.",
+    )
+    for f in option_fields():
+        kw: dict[str, Any] = {"default": f.default, "help": f.metadata["help"], "dest": f"{PREFIX}_{f.name}"}
+        if f.type == "bool":
+            kw["action"] = argparse.BooleanOptionalAction
+        else:
+            kw["type"] = _TYPES[f.type]
+            if "choices" in f.metadata:
+                kw["choices"] = f.metadata["choices"]
+        g.add_argument(flag_name(f.name), **kw)
+    return parser
+
+
+def options_from_args(args: argparse.Namespace) -> TuneOptions:
+    return TuneOptions(**{f.name: getattr(args, f"{PREFIX}_{f.name}", f.default) for f in option_fields()})
+
+
+def reference_from_args(args: argparse.Namespace) -> UbConfig:
+    """The config the run would use without tuning: ``--tp-comm-overlap-cfg``, else TE's defaults."""
+    from megatron_tp_overlap.ub.config import load_yaml
+
+    cfg = getattr(args, "tp_comm_overlap_cfg", None)
+    return load_yaml(cfg) if cfg else UbConfig()
+
+
+def default_output(explicit: Optional[str], reference_yaml: Optional[str], save_dir: Optional[str]) -> Path:
+    """Where the tuned YAML goes: the explicit path, else next to the starting YAML, else in the checkpoint
+    folder, else the working directory."""
+    if explicit:
+        return Path(explicit)
+    if reference_yaml:
+        return Path(reference_yaml).with_name(Path(reference_yaml).stem + ".tuned.yaml")
+    return Path(save_dir or ".") / TUNED_YAML_NAME
+
+
+def output_problems(out: Path, name: str) -> list[str]:
+    """Problems writing the tuned YAML and its report at ``out`` (checked before any GPU work)."""
+    if out.is_dir():
+        return [f"{name} = {str(out)!r}: is a directory; give a file path (e.g. {out / TUNED_YAML_NAME})"]
+    why = unwritable(out.parent)
+    return [f"{name} = {str(out)!r}: cannot write the tuned YAML there ({why})"] if why else []
+
+
+def output_path(args: argparse.Namespace) -> Path:
+    return default_output(
+        getattr(args, f"{PREFIX}_output", None), getattr(args, "tp_comm_overlap_cfg", None), getattr(args, "save", None)
+    )
+
+
+def check_arguments(args: argparse.Namespace, te_available: bool = True) -> list[str]:
+    """Problems with a Megatron-LM flag combination (empty when fine), before any GPU work."""
+    if not getattr(args, PREFIX, False):
+        return []
+    p = [f"{FLAG}: {x}" for x in RunShape.from_args(args).problems(te_available)]
+    p += options_from_args(args).problems(flag_name)
+    cfg = getattr(args, "tp_comm_overlap_cfg", None)
+    if cfg:
+        from megatron_tp_overlap.ub.rules import ValidationContext, load_and_validate
+
+        try:
+            load_and_validate(
+                cfg,
+                ValidationContext(
+                    fp8=bool(getattr(args, "fp8", None)), tp_size=max(args.tensor_model_parallel_size, 2)
+                ),
+            )
+        except ConfigError as e:
+            p.append(f"--tp-comm-overlap-cfg: {e}")
+    return p + output_problems(output_path(args), flag_name("output"))
+
+
+def flags_for(ub: UbConfig, yaml_path: str | Path) -> tuple[list[str], str | None]:
+    """Megatron-LM flags that reproduce ``ub`` (written at ``yaml_path``), and why they cannot (or None).
+
+    Megatron builds every qkv/fc1 layer with bulk dgrad overlap, or with GEMM + reduce-scatter dgrad under
+    ``--tp-comm-overlap-rs-dgrad``: one mode for both, which the YAML alone cannot switch.
+    """
+    flags = ["--tp-comm-overlap", "--tp-comm-overlap-cfg", str(yaml_path)]
+    rs = {g: ub.dgrad_is_reduce_scatter(g) for g in ("qkv_dgrad", "fc1_dgrad")}
+    if all(rs.values()):
+        flags.append("--tp-comm-overlap-rs-dgrad")
+    elif any(rs.values()):
+        mixed = ", ".join(f"{g} {'reduce-scatter' if v else 'bulk'}" for g, v in rs.items())
+        return flags, (
+            f"{mixed}: Megatron-LM runs qkv and fc1 dgrad in one mode (--tp-comm-overlap-rs-dgrad or not); "
+            "this config needs both modes"
+        )
+    return flags, None
+
+
+def generated_names() -> dict[str, list[str]]:
+    """Each option's name in every way in (for the README and the test that they agree)."""
+    return {
+        f.name: [flag_name(f.name), f"{PREFIX}_{f.name}", f"tp_overlap.{f.name}"]
+        for f in dataclasses.fields(TuneOptions)
+    }

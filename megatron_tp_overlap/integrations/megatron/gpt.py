@@ -1,0 +1,243 @@
+"""Built-in GPT training entry for megatron-core 0.19 (the wheel ships no ``pretrain_gpt.py``).
+
+    torchrun --nproc-per-node=N -m megatron_tp_overlap.integrations.megatron.gpt <Megatron args> \\
+        --mock-data --tp-comm-overlap --tp-comm-overlap-autotune
+
+TE layer spec, mock data (``MockGPTDataset``), Megatron's own ``pretrain`` and parser. Scope: the
+plain decoder-only case (no context parallelism, packed sequences or multi-token prediction); other
+settings are refused with a clear message. ``megatron_argv`` turns a model/parallel/training
+description into Megatron flags for the Hydra app.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+UNSUPPORTED = {
+    "context_parallel_size": (1, "context parallelism"),
+    "mtp_num_layers": (None, "multi-token prediction"),
+    "sft": (False, "SFT datasets"),
+}
+
+
+def megatron_argv(
+    *,
+    num_layers: int,
+    hidden_size: int,
+    ffn_hidden_size: int,
+    num_attention_heads: int,
+    num_query_groups: int | None,
+    kv_channels: int | None = None,
+    seq_length: int,
+    vocab_size: int,
+    tp: int,
+    pp: int,
+    sequence_parallel: bool,
+    micro_batch_size: int,
+    global_batch_size: int,
+    train_iters: int,
+    precision: str,
+    lr: float = 1e-4,
+    seed: int = 1234,
+    swiglu: bool = True,
+    log_interval: int = 1,
+) -> list[str]:
+    """Megatron-LM flags for a RoPE/RMSNorm GPT on mock data (what the Hydra app launches)."""
+    if precision not in ("bf16", "fp8"):
+        raise ValueError(f"precision = {precision!r}: must be 'bf16' or 'fp8'")
+    argv = [
+        "--num-layers",
+        str(num_layers),
+        "--hidden-size",
+        str(hidden_size),
+        "--ffn-hidden-size",
+        str(ffn_hidden_size),
+        "--num-attention-heads",
+        str(num_attention_heads),
+        "--seq-length",
+        str(seq_length),
+        "--max-position-embeddings",
+        str(seq_length),
+        "--tensor-model-parallel-size",
+        str(tp),
+        "--pipeline-model-parallel-size",
+        str(pp),
+        "--micro-batch-size",
+        str(micro_batch_size),
+        "--global-batch-size",
+        str(global_batch_size),
+        "--train-iters",
+        str(train_iters),
+        "--lr",
+        str(lr),
+        "--min-lr",
+        str(lr / 10),
+        "--lr-decay-style",
+        "cosine",
+        "--lr-warmup-iters",
+        str(max(1, train_iters // 50)),
+        "--bf16",
+        "--mock-data",
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        str(vocab_size),
+        "--normalization",
+        "RMSNorm",
+        "--position-embedding-type",
+        "rope",
+        "--disable-bias-linear",
+        "--untie-embeddings-and-output-weights",
+        "--no-gradient-accumulation-fusion",
+        "--transformer-impl",
+        "transformer_engine",
+        "--log-interval",
+        str(log_interval),
+        "--eval-iters",
+        "0",
+        "--eval-interval",
+        str(10**9),
+        "--seed",
+        str(seed),
+    ]
+    if swiglu:
+        argv.append("--swiglu")
+    if kv_channels:
+        argv += ["--kv-channels", str(kv_channels)]
+    if num_query_groups and num_query_groups != num_attention_heads:
+        argv += ["--group-query-attention", "--num-query-groups", str(num_query_groups)]
+    if sequence_parallel:
+        argv.append("--sequence-parallel")
+    if precision == "fp8":
+        argv += ["--fp8-format", "hybrid"]
+    return argv
+
+
+def _check_supported(args: Any) -> None:
+    bad = [
+        f"--{k.replace('_', '-')}={getattr(args, k)!r} ({what})"
+        for k, (ok, what) in UNSUPPORTED.items()
+        if getattr(args, k, ok) != ok
+    ]
+    if bad:
+        raise SystemExit(
+            "megatron_tp_overlap.integrations.megatron.gpt supports the plain GPT case only; "
+            f"not: {', '.join(bad)}. Use Megatron-LM's pretrain_gpt.py with -m megatron_tp_overlap.run."
+        )
+    if not getattr(args, "mock_data", False):
+        raise SystemExit(
+            "the built-in entry trains on --mock-data only; use Megatron-LM's pretrain_gpt.py for real data"
+        )
+
+
+def get_batch(data_iterator: Any, vp_stage: int | None = None) -> tuple:
+    """(tokens, labels, loss_mask, attention_mask, position_ids) on this rank (TP rank 0 reads, broadcasts)."""
+    from megatron.core import mpu
+    from megatron.core.utils import get_batch_on_this_tp_rank
+    from megatron.training import get_args
+    from megatron.training.utils import is_first_or_last_pipeline_stage
+
+    args = get_args()
+    if not is_first_or_last_pipeline_stage(vp_stage):
+        return None, None, None, None, None
+    keys = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
+    batch: dict = {}
+    tp_rank = mpu.get_tensor_model_parallel_rank()
+    if tp_rank == 0:
+        batch = next(data_iterator)
+        for k in keys:
+            batch[k] = batch[k].cuda(non_blocking=True) if batch.get(k) is not None else None
+    batch = get_batch_on_this_tp_rank(
+        batch,
+        has_cu_seqlens=False,
+        is_hybrid_cp=False,
+        create_attention_mask_in_dataloader=args.create_attention_mask_in_dataloader,
+        broadcast_src_rank=mpu.get_tensor_model_parallel_src_rank(),
+        broadcast_group=mpu.get_tensor_model_parallel_group(),
+        cp_size=1,
+        tp_rank=tp_rank,
+        micro_batch_size=args.micro_batch_size,
+        seq_length=args.seq_length,
+        mtp_on_this_rank=False,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        is_pipeline_first_stage=mpu.is_pipeline_first_stage(),
+        is_pipeline_last_stage=mpu.is_pipeline_last_stage(),
+    )
+    return tuple(batch.get(k) for k in keys)
+
+
+def loss_func(loss_mask: Any, output_tensor: Any) -> tuple:
+    import torch
+
+    losses = output_tensor.view(-1).float()
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().clone().detach().to(torch.int)
+    return loss, num_tokens, {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
+
+
+def forward_step(data_iterator: Any, model: Any, return_schedule_plan: bool = False) -> tuple:
+    from megatron.core.utils import get_attr_wrapped_model
+
+    vp_stage = get_attr_wrapped_model(model, "vp_stage")
+    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator, vp_stage)
+    output = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
+    return output, partial(loss_func, loss_mask)
+
+
+def datasets_provider(train_val_test_num_samples: list[int], vp_stage: int | None = None) -> tuple:
+    from megatron.core import mpu
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset
+    from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
+    from megatron.training import get_args
+    from megatron.training.utils import is_first_or_last_pipeline_stage
+
+    args = get_args()
+    config = GPTDatasetConfig(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=None,
+        blend_per_split=None,
+        split="1,0,0",
+        path_to_cache=None,
+        tokenizer=build_tokenizer(args),
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        create_attention_mask=args.create_attention_mask_in_dataloader,
+    )
+    built_here = partial(
+        lambda vp: is_first_or_last_pipeline_stage(vp) and mpu.get_tensor_model_parallel_rank() == 0, vp_stage
+    )
+    return BlendedMegatronDatasetBuilder(MockGPTDataset, train_val_test_num_samples, built_here, config).build()
+
+
+def main(argv: list[str] | None = None, iteration_log: str | Path | None = None) -> None:
+    import sys
+
+    from megatron.core.enums import ModelType
+    from megatron.training import pretrain
+    from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
+    from megatron.training.arguments import parse_and_validate_args
+
+    from megatron_tp_overlap.integrations.megatron import install
+
+    if argv is not None:
+        sys.argv = [sys.argv[0], *argv]
+    install(iteration_log=iteration_log)
+    args = parse_and_validate_args(args_defaults={"tokenizer_type": "NullTokenizer"})
+    _check_supported(args)
+    datasets_provider.is_distributed = True
+    pretrain(
+        pretrain_cfg_container_from_args(args, gpt_config_from_args(args)),
+        datasets_provider,
+        ModelType.encoder_or_decoder,
+        forward_step,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,353 @@
+"""``tune()``: the one entry point that tunes a live megatron-core model, for Megatron-LM's flag, Megatron-Bridge,
+NeMo and the main job alike.
+
+Trial steps go through Megatron's own ``forward_backward_func`` on micro-batches read ahead from the real
+training iterator and handed back to it (the main loop sees the same batches in the same order); no optimizer
+step; gradients zeroed; RNG states (incl. the TP RNG tracker) and TE FP8 metadata restored; iteration, LR
+schedule and consumed samples are never touched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager as ContextManager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from megatron_tp_overlap.engine.options import TuneOptions
+from megatron_tp_overlap.engine.space import TuningConfig
+from megatron_tp_overlap.integrations.megatron.flags import flags_for
+from megatron_tp_overlap.integrations.megatron.replay import attach_replay
+from megatron_tp_overlap.integrations.megatron.run_shape import RunShape
+from megatron_tp_overlap.ub.config import UbConfig
+
+TAG = "[tp-overlap-autotune]"
+
+
+@dataclass
+class Tuned:
+    """What tuning left behind: the live config, the data iterator the main loop must use, and the files."""
+
+    config: TuningConfig
+    data_iterator: Any
+    yaml_path: Path
+    flags: list[str]  # the Megatron-LM flags that reproduce ``config``
+    result: Any = None  # engine TuneResult; None when a cached config was reused or tuning fell back
+    reused: bool = False
+    notes: list[str] = field(default_factory=list)
+
+
+class MegatronSteps:
+    """Trial steps and numerics fingerprints through Megatron's pipeline schedule, on read-ahead batches."""
+
+    def __init__(self, model: list, forward_step_func: Callable, optimizer: Any, data_iterator: Any, run: RunShape):
+        from megatron.core.num_microbatches_calculator import get_num_microbatches
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+        from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+        from megatron_tp_overlap.engine.numerics import Fingerprint
+        from megatron_tp_overlap.integrations.megatron.state import StateSnapshot
+
+        self.model, self.forward_step_func, self.optimizer, self.run_shape = model, forward_step_func, optimizer, run
+        self.is_list = isinstance(data_iterator, list)
+        pairs = [attach_replay(it) for it in (data_iterator if self.is_list else [data_iterator])]
+        self.replays = [r for _, r in pairs]
+        self.main_iters = [p[0] for p in pairs]
+        self.n_mb = get_num_microbatches()
+        self.cached = [r.read_ahead(self.n_mb) if r is not None else None for r in self.replays]
+        self.fb = get_forward_backward_func()
+        self.rerun = get_rerun_state_machine()
+        self.snapshot = StateSnapshot.take(model)
+        self.fp = Fingerprint()
+
+    @property
+    def data_iterator(self) -> Any:
+        """The iterator(s) the main loop must use: the read-ahead batches come first."""
+        return self.main_iters if self.is_list else self.main_iters[0]
+
+    def _data(self) -> Any:
+        from megatron.core.rerun_state_machine import RerunDataIterator
+
+        its = [RerunDataIterator(iter(c)) if c is not None else None for c in self.cached]
+        return its if self.is_list else its[0]
+
+    def zero(self) -> None:
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def _run(self) -> list:
+        # Megatron's protocol (as train_step): loss validation is only legal inside this loop.
+        it, losses, r = self._data(), [], self.run_shape
+        while self.rerun.should_run_forward_backward(it):
+            losses = self.fb(
+                forward_step_func=self.forward_step_func,
+                data_iterator=it,
+                model=self.model,
+                num_microbatches=self.n_mb,
+                seq_length=r.seq_length,
+                micro_batch_size=r.micro_batch_size,
+                decoder_seq_length=r.decoder_seq_length,
+                forward_only=False,
+            )
+        return losses
+
+    def step(self) -> None:
+        self._run()
+        self.zero()
+
+    def fingerprint(self) -> Any:
+        import torch
+
+        self.snapshot.restore()  # same dropout masks for every config: dropout is on by default in Megatron
+        self.zero()
+        losses = self._run()
+        vals = [torch.stack([v[0] if v.dim() else v for d in losses for v in d.values()]).float()] if losses else [None]
+        grads = [getattr(p, "main_grad", p.grad) for chunk in self.model for p in chunk.parameters() if p.requires_grad]
+        f = self.fp(vals + grads)
+        self.zero()
+        return f
+
+
+def tune(
+    model: list,
+    forward_step_func: Callable,
+    optimizer: Any,
+    data_iterator: Any,
+    run: RunShape,
+    options: TuneOptions,
+    reference: UbConfig,
+    output: Path,
+    *,
+    trial_context: Callable[[], ContextManager] = contextlib.nullcontext,
+    check_state: bool = False,
+    log: Optional[Callable[..., None]] = None,
+) -> Tuned:
+    """Tune the userbuffers config of the live ``model`` (Megatron's model chunks, userbuffers initialized with
+    ``reference``) before the first iteration; the chosen config is left applied and written to ``output``
+    (YAML, ``.report.json`` beside it) and to the cache.
+
+    ``trial_context``: entered around the trial steps (e.g. to pause the framework's fatal NaN checks: the
+    numerics guard rejects such a candidate instead). ``check_state``: verify bitwise that tuning left the
+    training state untouched (slow; for tests and benchmarks).
+    """
+    import torch
+    import transformer_engine
+
+    from megatron_tp_overlap.engine.cache import TunedConfigCache, config_digest
+    from megatron_tp_overlap.engine.tuner import rank0_print
+
+    log = log or rank0_print
+    key = run.key(
+        torch.cuda.get_device_name(),
+        transformer_engine.__version__,
+        config_digest(reference),
+        "allow_off" if options.allow_off else "yaml_only",
+    )
+    cache = TunedConfigCache(options.cache_dir)
+    init = run.init_args()
+    if options.reuse:
+        reused = _reuse(model, init, cache, key, reference, output, log)
+        if reused is not None:
+            return Tuned(reused, data_iterator, output, flags_for(reused.ub, output)[0], reused=True)
+
+    steps = MegatronSteps(model, forward_step_func, optimizer, data_iterator, run)
+    state_check = _state_check(model, optimizer, steps) if check_state else None
+    t0 = time.perf_counter()
+    result = _search(model, steps, init, run, options, reference, trial_context, log)
+    tuned = Tuned(
+        result.best if result else TuningConfig(reference, frozenset(), "reference"),
+        steps.data_iterator,
+        output,
+        [],
+        result,
+    )
+    if result is None:
+        tuned.notes.append("tuning failed: training with the starting config")
+    else:
+        log(result.summary)
+        if state_check is not None:
+            result.report["state_check"] = _verdict(state_check, log)
+    tuned.flags, _ = flags_for(tuned.config.ub, output)  # the search kept to this run's dgrad mode
+    _write_outputs(tuned, key, cache, time.perf_counter() - t0, log)
+    _tensorboard(result)
+    torch.distributed.barrier()
+    return tuned
+
+
+def _search(
+    model: list,
+    steps: MegatronSteps,
+    init: Any,
+    run: RunShape,
+    options: TuneOptions,
+    reference: UbConfig,
+    trial_context: Callable[[], ContextManager],
+    log: Callable[..., None],
+) -> Any:
+    """The engine's search on Megatron's trial steps; None when every trial failed (all ranks agree on that)."""
+    import torch
+
+    from megatron_tp_overlap.engine.progress import TuningProgress
+    from megatron_tp_overlap.engine.search import SearchOptions, TrialFailed
+    from megatron_tp_overlap.engine.space import SpaceSpec
+    from megatron_tp_overlap.engine.tuner import Autotuner
+
+    # Megatron builds every qkv/fc1 layer with bulk dgrad, or with GEMM+reduce-scatter dgrad under
+    # --tp-comm-overlap-rs-dgrad; the YAML cannot change that, so the search keeps to the run's mode
+    # (else the tuned YAML would not reproduce the tuned run).
+    spec = SpaceSpec(include_off=options.allow_off, include_rs_dgrad=run.rs_dgrad, include_bulk_dgrad=not run.rs_dgrad)
+    progress = TuningProgress(enabled=torch.distributed.get_rank() == 0)
+    tuner = Autotuner(
+        model,
+        steps.step,
+        init,
+        reference=reference,
+        options=SearchOptions(strategy=options.strategy, max_steps=options.steps, max_seconds=options.seconds),
+        space_spec=spec,
+        verify_fn=steps.fingerprint,
+        verify_rtol=options.rtol,
+        allow_overlap_off=options.allow_off,
+        log=log,
+        progress=progress.update,
+        trial_timeout_s=options.trial_timeout,
+    )
+    steps.zero()
+    try:
+        with trial_context(), progress:
+            return tuner.tune()
+    except TrialFailed as e:  # raised on every rank together: the run trains on with its own config
+        log(f"{TAG} WARNING tuning failed ({e}); training with the starting config")
+        tuner.switcher.apply(TuningConfig(reference, frozenset(), "reference"))
+        return None
+    finally:
+        steps.zero()
+        steps.snapshot.restore()
+
+
+def _reuse(
+    model: list, init: Any, cache: Any, key: Any, reference: UbConfig, output: Path, log: Callable[..., None]
+) -> TuningConfig | None:
+    """The cached config for ``key``, applied; rank 0 reads the cache and every rank gets its answer."""
+    import torch
+
+    from megatron_tp_overlap.engine.switcher import UbSwitcher
+    from megatron_tp_overlap.engine.topology import find_overlap_modules
+
+    found = [cache.get(key) if torch.distributed.get_rank() == 0 else None]
+    torch.distributed.broadcast_object_list(found, src=0)
+    if found[0] is None:
+        return None
+    config = TuningConfig(found[0].ub, found[0].disabled, "reused")
+    UbSwitcher(
+        init, find_overlap_modules(model), barrier=torch.distributed.barrier, current=TuningConfig(reference)
+    ).apply(config)
+    if torch.distributed.get_rank() == 0:
+        _write_yaml(output, config, {"reused_from": str(cache.root), **found[0].meta.get("tuned", {})}, log)
+    log(
+        f"{TAG} reusing the config tuned {found[0].meta.get('date', '')} for this GPU, shape, dtype and TE version "
+        f"({cache.root}): tuning skipped; wrote {output}"
+    )
+    return config
+
+
+def _write_yaml(path: Path, config: TuningConfig, meta: dict[str, Any], log: Callable[..., None]) -> bool:
+    from megatron_tp_overlap.atomic import atomic_write_text
+    from megatron_tp_overlap.engine.report import yaml_header
+    from megatron_tp_overlap.ub.config import dumps_yaml
+
+    text = dumps_yaml(config.ub, yaml_header(config.ub, meta))
+    try:
+        atomic_write_text(path, text, backup=True)
+        return True
+    except OSError as e:  # the run keeps training with the tuned config; the log keeps the YAML
+        log(f"{TAG} WARNING could not write {path} ({e}); the tuned config is:\n{text}")
+        return False
+
+
+def _write_outputs(tuned: Tuned, key: Any, cache: Any, wall_s: float, log: Callable[..., None]) -> None:
+    """Rank 0: the YAML, the report beside it, the cache entry (each atomic; a failure is logged, not fatal)."""
+    import datetime
+    from dataclasses import asdict
+
+    import torch
+
+    from megatron_tp_overlap.engine.report import write_report
+
+    if torch.distributed.get_rank() != 0:
+        return
+    res, out = tuned.result, tuned.yaml_path
+    meta = {**asdict(key), "wall_s": round(wall_s, 2), "chosen": tuned.config.label}
+    ok = _write_yaml(out, tuned.config, meta, log)
+    if res is not None:
+        try:
+            write_report(
+                out.with_suffix(".report.json"),
+                {**res.report, "tuning_key": asdict(key), "megatron_flags": tuned.flags, "notes": tuned.notes},
+            )
+            cache.put(
+                key,
+                tuned.config.ub,
+                tuned.config.disabled,
+                {"date": datetime.date.today().isoformat(), "tuned": {"chosen": tuned.config.label}},
+            )
+        except OSError as e:
+            log(f"{TAG} WARNING could not write the report or the cache entry: {e}")
+    if ok:
+        log(f"{TAG} wrote {out} ({tuned.config.label}; {wall_s:.1f} s); reproduce with: {' '.join(tuned.flags)}")
+
+
+def _state_check(model: list, optimizer: Any, steps: MegatronSteps) -> Any:
+    from megatron_tp_overlap.integrations.megatron.state import StateCheck
+
+    return StateCheck(model, optimizer, replays=steps.replays)
+
+
+def _verdict(check: Any, log: Callable[..., None]) -> dict[str, Any]:
+    """The state check's verdict over every rank, logged and for the report."""
+    import torch
+
+    bad, covered = check.mismatches(), check.kinds_checked()
+    if bad:
+        print(f"{TAG} rank {torch.distributed.get_rank()}: training state CHANGED by tuning: {bad}", flush=True)
+    n_bad = torch.tensor([float(len(bad))], device="cuda")
+    torch.distributed.all_reduce(n_bad, op=torch.distributed.ReduceOp.MAX)
+    bad = bad or (["(on another rank)"] if n_bad.item() else [])
+    log(
+        f"{TAG} training state after tuning: "
+        + (
+            f"bitwise identical ({', '.join(f'{v} {k}' for k, v in covered.items())}, RNG CPU/CUDA/TP tracker)"
+            if not bad
+            else f"CHANGED: {bad[:8]}"
+        )
+    )
+    return {
+        "result": "bitwise identical on every rank" if not bad else "CHANGED",
+        "changed_rank0": bad,
+        "checked_rank0": covered,
+    }
+
+
+def _tensorboard(res: Any) -> None:
+    """Tuning results into Megatron's TensorBoard writer, on the rank that has one (the last)."""
+    if res is None:
+        return
+    try:
+        from megatron.training import get_tensorboard_writer
+    except ImportError:  # Megatron-Bridge and NeMo run without megatron.training's globals
+        return
+    writer = get_tensorboard_writer()
+    if writer is None:
+        return
+    for c in res.search.contenders:
+        if c.samples:
+            writer.add_scalar(f"tp-overlap-autotune/step-ms/{c.name}", c.median, 0)
+    writer.add_scalar("tp-overlap-autotune/tuning-seconds", res.wall_s, 0)
+    writer.add_text("tp-overlap-autotune/summary", f"<pre>{res.summary}</pre>", 0)
+    writer.flush()
+
+
+__all__ = ["MegatronSteps", "Tuned", "tune"]

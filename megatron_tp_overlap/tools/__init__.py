@@ -1,0 +1,1 @@
+"""Offline tools: the CLI, the kernel bench, the layer bench and TP sweep, trace analysis, plots."""

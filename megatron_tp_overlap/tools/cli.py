@@ -1,0 +1,145 @@
+"""``megatron-tp-overlap``: small offline commands.
+
+megatron-tp-overlap validate ub.yaml [--tp 4] [--fp8] [--sm-count 132]
+megatron-tp-overlap preset [NAME]          # list the presets, or print one as YAML
+megatron-tp-overlap analyze TRACE.json [--json OUT]
+megatron-tp-overlap bench ag|rs M N K [--dtype bfloat16] [--iters 10] [--sweep-m 1024,2048]
+megatron-tp-overlap sweep --model Qwen/Qwen3-8B --max-tp-size 4 --max-token-len 8192 --operators qkv proj fc1 fc2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from megatron_tp_overlap.engine.options import TuneOptions
+from megatron_tp_overlap.engine.space import DGRAD_MODES
+from megatron_tp_overlap.errors import ConfigError
+from megatron_tp_overlap.ub.config import MODULES
+
+
+def _validate(a: argparse.Namespace) -> int:
+    from megatron_tp_overlap.ub.rules import ValidationContext, load_and_validate
+
+    try:
+        cfg, notes = load_and_validate(a.yaml, ValidationContext(fp8=a.fp8, sm_count=a.sm_count, tp_size=a.tp))
+    except ConfigError as e:
+        print(e, file=sys.stderr)
+        return 1
+    for n in notes:
+        print(f"warning: {n}")
+    print(f"{a.yaml}: valid ({len(cfg)} GEMM entries: {cfg.describe()})")
+    return 0
+
+
+def _preset(a: argparse.Namespace) -> int:
+    from megatron_tp_overlap.ub.config import dumps_yaml
+    from megatron_tp_overlap.ub.presets import PRESETS, get_preset
+
+    if not a.name:
+        print("\n".join(PRESETS))
+        return 0
+    try:
+        print(dumps_yaml(get_preset(a.name), header=f"preset {a.name}"), end="")
+    except ConfigError as e:
+        print(e, file=sys.stderr)
+        return 1
+    return 0
+
+
+def _analyze(a: argparse.Namespace) -> int:
+    from megatron_tp_overlap.tools.trace import analyze, load, render
+
+    results = {}
+    for path in a.traces:
+        try:
+            r = analyze(load(path))
+        except ValueError as e:
+            print(e, file=sys.stderr)
+            return 1
+        print(f"{path}\n{render(r)}\n")
+        results[path] = {dev: t.to_dict() for dev, t in r.items()}
+    if a.json:
+        from megatron_tp_overlap.atomic import atomic_write_text
+
+        atomic_write_text(a.json, json.dumps(results, indent=1) + "\n")
+    return 0
+
+
+def _sweep(a: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from megatron_tp_overlap.tools.sweep import run_sweep
+
+    try:
+        report = run_sweep(
+            a.model,
+            a.max_tp_size,
+            a.max_token_len,
+            a.operators,
+            a.layers,
+            Path(a.out),
+            a.tol,
+            a.profile,
+            a.budget_s,
+            a.dgrad_mode,
+        )
+    except ValueError as e:
+        print(f"sweep: {e}", file=sys.stderr)
+        return 1
+    print((Path(a.out) / "summary.txt").read_text())
+    return 0 if report else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of every subcommand but ``bench`` (which has its own parser)."""
+    p = argparse.ArgumentParser(prog="megatron-tp-overlap", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("bench", help="AG+GEMM / GEMM+RS kernels: every overlap backend vs the bound (see bench --help)")
+    v = sub.add_parser("validate", help="check a --tp-comm-overlap-cfg YAML against TE's rules")
+    v.add_argument("yaml")
+    v.add_argument("--tp", type=int, default=None)
+    v.add_argument("--fp8", action="store_true")
+    v.add_argument("--sm-count", type=int, default=None)
+    v.set_defaults(fn=_validate)
+    pr = sub.add_parser("preset", help="list the presets, or print one as YAML")
+    pr.add_argument("name", nargs="?")
+    pr.set_defaults(fn=_preset)
+    an = sub.add_parser("analyze", help="GEMM / communication / overlap time in torch-profiler Chrome traces")
+    an.add_argument("traces", nargs="+")
+    an.add_argument("--json", default=None, help="also write the figures as JSON")
+    an.set_defaults(fn=_analyze)
+    sw = sub.add_parser("sweep", help="tune and time a model's layers at TP = 1, 2, 4, ...; recommend a TP size")
+    sw.add_argument("--model", required=True, help="e.g. Qwen/Qwen3-8B (shipped), or a local config directory")
+    sw.add_argument("--max-tp-size", type=int, default=8)
+    sw.add_argument("--max-token-len", type=int, default=8192, help="tokens per micro-batch (sequence x batch)")
+    sw.add_argument("--operators", nargs="+", default=list(MODULES), choices=MODULES)
+    sw.add_argument("--layers", type=int, default=2)
+    sw.add_argument("--tol", type=float, default=0.2, help="TP=n is efficient if time <= time(1)/n x (1 + tol)")
+    sw.add_argument("--budget-s", type=float, default=TuneOptions.seconds, help="tuning budget per TP size, s")
+    sw.add_argument("--profile", action="store_true", help="torch-profiler traces and overlap ratios")
+    sw.add_argument(
+        "--dgrad-mode",
+        default="any",
+        choices=list(DGRAD_MODES),
+        help="qkv/fc1 dgrad overlap: 'any' may mix bulk and reduce-scatter, which one Megatron-LM run "
+        "cannot (it sets both with --tp-comm-overlap-rs-dgrad); pick one for a YAML it can use",
+    )
+    sw.add_argument("--out", default="sweep_out")
+    sw.set_defaults(fn=_sweep)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:  # its own parser; it starts torchrun itself when not under it
+        from megatron_tp_overlap.tools.bench import main as bench_main
+
+        return bench_main(argv[1:])
+    a = build_parser().parse_args(argv)
+    return a.fn(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
