@@ -23,7 +23,7 @@ setup(
     ],
     entry_points={"console_scripts": ["megatron-tp-overlap = megatron_tp_overlap.tools.cli:main"]},
     extras_require={
-        "test": ["pytest>=7.4"],
+        "test": ["pytest>=7.4", "ruff==0.17.6"],
         # Needs CUDA to build/run; installed on GPU nodes only.
         "te": ["transformer-engine[pytorch]>=2.20", "megatron-core>=0.19"],
     },

@@ -1,4 +1,4 @@
-"""A short Megatron-Bridge pre-training run with the autotune comm-overlap config (issue 11), under torchrun:
+"""A short Megatron-Bridge pre-training run with the autotune comm-overlap config, under torchrun:
 
     torchrun --nproc-per-node=2 benchmarks/bridge_autotune.py --tp 2 --out DIR            # autotune
     torchrun --nproc-per-node=2 benchmarks/bridge_autotune.py --tp 2 --no-autotune ...     # TE default ub_cfgs

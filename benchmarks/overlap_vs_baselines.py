@@ -1,4 +1,4 @@
-"""Autotuned vs every baseline vs slot-exhaustive search vs the bound (issue 8), under torchrun:
+"""Autotuned vs every baseline vs slot-exhaustive search vs the bound, under torchrun:
 
     torchrun --nproc-per-node=N benchmarks/overlap_vs_baselines.py --cases llama3_8b,llama3_70b,gpt3_20b \\
         --layers 2 --out DIR
@@ -24,7 +24,7 @@ CASES = {  # name: (shipped model config, seq, micro-batch)
     "llama3_8b": ("meta-llama/Meta-Llama-3-8B", 8192, 1),
     "llama3_70b": ("meta-llama/Meta-Llama-3-70B", 4096, 1),
     "gpt3_20b": ("gpt3/gpt3-20b", 2048, 2),
-    "llama3_70b_seq8192": ("meta-llama/Meta-Llama-3-70B", 8192, 1),  # the TP=8 case (issue 10)
+    "llama3_70b_seq8192": ("meta-llama/Meta-Llama-3-70B", 8192, 1),  # the TP=8 case
 }
 DEFAULT_CASES = ("llama3_8b", "llama3_70b", "gpt3_20b")
 AG_PER_LAYER, RS_PER_LAYER = 6, 4  # fwd: 2 AG + 2 RS; bwd: 2 AG of grads, 2 AG of ln_out for wgrad, 2 RS

@@ -75,15 +75,28 @@ def run_case(name: str, case: dict, out: Path, megatron_lm: str | None, gpus: in
     (out / f"{name}.log").write_text(log + "\n")
     lines = selected_lines(log, case["report"])
     print(f"[suite] {name}: rc={rc} in {wall:.0f} s", flush=True)
-    return {"case": name, "about": " ".join(case["about"].split()), "command": cmd, "rc": rc,
-            "wall_s": round(wall, 1), "lines": lines}
+    return {
+        "case": name,
+        "about": " ".join(case["about"].split()),
+        "command": cmd,
+        "rc": rc,
+        "wall_s": round(wall, 1),
+        "lines": lines,
+    }
 
 
 def readme(results: list[dict], dev: str, argv: list[str]) -> str:
-    head = [f"# GPU results: {dev}, {datetime.date.today().isoformat()}", "",
-            f"- commit: `{git('rev-parse', 'HEAD')}`" + (" (with uncommitted changes)" if git("status", "--porcelain") else ""),
-            f"- device: {dev}", f"- suite command: `python {' '.join(shlex.quote(a) for a in argv)}`", "",
-            "| case | exit code | wall s |", "|---|---|---|"]
+    head = [
+        f"# GPU results: {dev}, {datetime.date.today().isoformat()}",
+        "",
+        f"- commit: `{git('rev-parse', 'HEAD')}`"
+        + (" (with uncommitted changes)" if git("status", "--porcelain") else ""),
+        f"- device: {dev}",
+        f"- suite command: `python {' '.join(shlex.quote(a) for a in argv)}`",
+        "",
+        "| case | exit code | wall s |",
+        "|---|---|---|",
+    ]
     head += [f"| {r['case']} | {r['rc']} | {r['wall_s']} |" for r in results]
     body = []
     for r in results:
@@ -109,8 +122,16 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for n in names:
         if cases[n]["gpus"] > gpus:
-            results.append({"case": n, "about": cases[n]["about"], "command": "-", "rc": "not run",
-                            "wall_s": 0, "lines": [f"needs {cases[n]['gpus']} GPUs, this node has {gpus}"]})
+            results.append(
+                {
+                    "case": n,
+                    "about": cases[n]["about"],
+                    "command": "-",
+                    "rc": "not run",
+                    "wall_s": 0,
+                    "lines": [f"needs {cases[n]['gpus']} GPUs, this node has {gpus}"],
+                }
+            )
             continue
         results.append(run_case(n, cases[n], out, a.megatron_lm, gpus))
         (out / "README.md").write_text(readme(results, dev, argv))  # after each case: a killed run keeps the rest

@@ -1,4 +1,4 @@
-"""The catalog of bad inputs (issue 9): YAML files, Hydra overrides, Megatron flags, launch settings,
+"""The catalog of bad inputs: YAML files, Hydra overrides, Megatron flags, launch settings,
 files on disk. Each must give a specific error naming the key and the rule before any GPU work (or,
 where noted, a warning and a safe fallback), and must leave what the user had untouched."""
 

@@ -1,4 +1,4 @@
-"""The issue-8 benchmark's pure parts: efficiency arithmetic, report and chart from a result."""
+"""The overlap-vs-baselines benchmark's pure parts: efficiency arithmetic, report and chart from a result."""
 
 import importlib.util
 from pathlib import Path

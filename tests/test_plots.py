@@ -7,7 +7,7 @@ RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 
 
 def report():
-    return json.loads((RESULTS / "engine_tp4_tuning_report_h200x4_2026-11-21.json").read_text())
+    return json.loads((RESULTS / "2026-11-21_h200x4" / "engine_tp4_tuning_report.json").read_text())
 
 
 def test_slot_points_from_a_real_report():
