@@ -20,7 +20,7 @@ from megatron_tp_overlap.ub.rules import ValidationContext, validate_text
 
 CTX = ValidationContext(sm_count=132, tp_size=4)
 # A path under a regular file: no folder can be made there, whoever runs the tests (root included).
-UNWRITABLE = os.path.join(tempfile.NamedTemporaryFile(prefix="not-a-folder-", delete=False).name, "out")
+UNWRITABLE = os.path.join(__file__, "out")  # under a file: never creatable, nothing left behind
 
 
 def yaml_error(text: str, ctx: ValidationContext = CTX) -> str:

@@ -47,72 +47,50 @@ def megatron_argv(
     """Megatron-LM flags for a RoPE/RMSNorm GPT on mock data (what the Hydra app launches)."""
     if precision not in ("bf16", "fp8"):
         raise ValueError(f"precision = {precision!r}: must be 'bf16' or 'fp8'")
-    argv = [
-        "--num-layers",
-        str(num_layers),
-        "--hidden-size",
-        str(hidden_size),
-        "--ffn-hidden-size",
-        str(ffn_hidden_size),
-        "--num-attention-heads",
-        str(num_attention_heads),
-        "--seq-length",
-        str(seq_length),
-        "--max-position-embeddings",
-        str(seq_length),
-        "--tensor-model-parallel-size",
-        str(tp),
-        "--pipeline-model-parallel-size",
-        str(pp),
-        "--micro-batch-size",
-        str(micro_batch_size),
-        "--global-batch-size",
-        str(global_batch_size),
-        "--train-iters",
-        str(train_iters),
-        "--lr",
-        str(lr),
-        "--min-lr",
-        str(lr / 10),
-        "--lr-decay-style",
-        "cosine",
-        "--lr-warmup-iters",
-        str(max(1, train_iters // 50)),
-        "--bf16",
-        "--mock-data",
-        "--tokenizer-type",
-        "NullTokenizer",
-        "--vocab-size",
-        str(vocab_size),
-        "--normalization",
-        "RMSNorm",
-        "--position-embedding-type",
-        "rope",
-        "--disable-bias-linear",
-        "--untie-embeddings-and-output-weights",
-        "--no-gradient-accumulation-fusion",
-        "--transformer-impl",
-        "transformer_engine",
-        "--log-interval",
-        str(log_interval),
-        "--eval-iters",
-        "0",
-        "--eval-interval",
-        str(10**9),
-        "--seed",
-        str(seed),
-    ]
-    if swiglu:
-        argv.append("--swiglu")
-    if kv_channels:
-        argv += ["--kv-channels", str(kv_channels)]
-    if num_query_groups and num_query_groups != num_attention_heads:
-        argv += ["--group-query-attention", "--num-query-groups", str(num_query_groups)]
-    if sequence_parallel:
-        argv.append("--sequence-parallel")
+    values = {
+        "--num-layers": num_layers,
+        "--hidden-size": hidden_size,
+        "--ffn-hidden-size": ffn_hidden_size,
+        "--num-attention-heads": num_attention_heads,
+        "--seq-length": seq_length,
+        "--max-position-embeddings": seq_length,
+        "--tensor-model-parallel-size": tp,
+        "--pipeline-model-parallel-size": pp,
+        "--micro-batch-size": micro_batch_size,
+        "--global-batch-size": global_batch_size,
+        "--train-iters": train_iters,
+        "--lr": lr,
+        "--min-lr": lr / 10,
+        "--lr-decay-style": "cosine",
+        "--lr-warmup-iters": max(1, train_iters // 50),
+        "--tokenizer-type": "NullTokenizer",
+        "--vocab-size": vocab_size,
+        "--normalization": "RMSNorm",
+        "--position-embedding-type": "rope",
+        "--transformer-impl": "transformer_engine",
+        "--log-interval": log_interval,
+        "--eval-iters": 0,
+        "--eval-interval": 10**9,
+        "--seed": seed,
+        "--kv-channels": kv_channels,
+    }
+    switches = {
+        "--bf16": True,
+        "--mock-data": True,
+        "--disable-bias-linear": True,
+        "--untie-embeddings-and-output-weights": True,
+        "--no-gradient-accumulation-fusion": True,
+        "--swiglu": swiglu,
+        "--sequence-parallel": sequence_parallel,
+        "--group-query-attention": bool(num_query_groups) and num_query_groups != num_attention_heads,
+    }
+    if switches["--group-query-attention"]:
+        values["--num-query-groups"] = num_query_groups
     if precision == "fp8":
-        argv += ["--fp8-format", "hybrid"]
-    return argv
+        values["--fp8-format"] = "hybrid"
+    return [x for k, v in values.items() if v is not None for x in (k, str(v))] + [
+        k for k, on in switches.items() if on
+    ]
 
 
 def _check_supported(args: Any) -> None:
