@@ -4,6 +4,7 @@ where ``megatron.training`` imports (Python >= 3.12 with megatron-core; skipped 
 import argparse
 import itertools
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -365,3 +366,47 @@ def test_tuning_results_go_to_megatrons_tensorboard_writer(monkeypatch):
     assert "table" in writer.texts["tp-overlap-autotune/summary"] and writer.flushed
     fake.get_tensorboard_writer = lambda: None  # ranks without a writer: nothing to do
     _tensorboard(res)
+
+
+def test_iteration_log_records_time_and_exact_losses_then_calls_megatrons(tmp_path, monkeypatch):
+    import json
+
+    from megatron_tp_overlap.integrations.megatron.launcher import IterationLog
+
+    monkeypatch.setenv("RANK", "1")
+    seen = []
+    log = IterationLog(tmp_path / "it").wrap(lambda loss_dict, total, lr, it, *r, **kw: seen.append(it) or "ret")
+    assert log({"lm loss": torch.tensor(0.1 + 0.2)}, {}, 1e-4, 7) == "ret" and seen == [7]
+    log({}, {}, 1e-4, 8)  # Megatron's skipped iterations carry no losses: nothing to record
+    (row,) = [json.loads(x) for x in (tmp_path / "it.rank1").read_text().splitlines()]
+    assert row["iteration"] == 7 and float(row["lm loss"]) == float(torch.tensor(0.1 + 0.2).item()) and row["t"] > 0
+
+
+def test_fatal_checks_are_paused_during_trials_and_restored():
+    from megatron_tp_overlap.integrations.megatron.launcher import _fatal_checks_paused
+
+    args = argparse.Namespace(check_for_nan_in_loss_and_grad=True, check_for_spiky_loss=True)
+    with pytest.raises(RuntimeError), _fatal_checks_paused(args):
+        assert not args.check_for_nan_in_loss_and_grad and not args.check_for_spiky_loss
+        raise RuntimeError("a trial raised")
+    assert args.check_for_nan_in_loss_and_grad and args.check_for_spiky_loss
+
+
+def test_run_script_explains_itself_and_refuses_a_missing_script(capsys):
+    from megatron_tp_overlap.integrations.megatron.launcher import run_script
+
+    with pytest.raises(SystemExit) as e:
+        run_script(["--help"])
+    assert e.value.code == 0 and "--iteration-log" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="training script not found: nope.py"):
+        run_script(["--iteration-log", "x", "nope.py", "--tp-comm-overlap"])
+
+
+def test_output_problems_name_a_directory_and_an_unwritable_place(tmp_path):
+    from megatron_tp_overlap.integrations.megatron.flags import output_problems
+
+    (p,) = output_problems(tmp_path, "--tp-comm-overlap-autotune-output")
+    assert "is a directory" in p and str(tmp_path / "tp_comm_overlap_tuned.yaml") in p
+    (p,) = output_problems(Path(__file__) / "x.yaml", "--tp-comm-overlap-autotune-output")
+    assert "cannot write the tuned YAML there" in p and "is not a folder" in p
+    assert output_problems(tmp_path / "new" / "x.yaml", "o") == []
