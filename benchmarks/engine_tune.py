@@ -24,6 +24,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from megatron_tp_overlap.engine.options import TuneOptions
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -34,7 +36,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kv-groups", type=int, default=8)
     p.add_argument("--seq", type=int, default=8192)
     p.add_argument("--mbs", type=int, default=1)
-    p.add_argument("--budget-s", type=float, default=60.0)
+    p.add_argument("--budget-s", type=float, default=TuneOptions.seconds)
     p.add_argument("--budget-steps", type=int, default=600)
     p.add_argument("--strategy", default="coordinate", choices=["coordinate", "exhaustive"])
     p.add_argument("--extra-switches", type=int, default=20)

@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+from megatron_tp_overlap.engine.options import TuneOptions
+
 
 def model_args(a) -> list[str]:
     return [
@@ -100,7 +102,7 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=8192)
     p.add_argument("--global-batch", type=int, default=4)
     p.add_argument("--iters", type=int, default=25)
-    p.add_argument("--budget-s", type=float, default=60)
+    p.add_argument("--budget-s", type=float, default=TuneOptions.seconds)
     p.add_argument("--runs", default="autotune,tuned_yaml,te_default,no_overlap")
     p.add_argument("--tag", default="")
     p.add_argument(

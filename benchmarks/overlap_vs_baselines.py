@@ -20,6 +20,8 @@ import os
 import time
 from pathlib import Path
 
+from megatron_tp_overlap.engine.options import TuneOptions
+
 CASES = {  # name: (shipped model config, seq, micro-batch)
     "llama3_8b": ("meta-llama/Meta-Llama-3-8B", 8192, 1),
     "llama3_70b": ("meta-llama/Meta-Llama-3-70B", 4096, 1),
@@ -195,7 +197,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--budget-s", type=float, default=60.0)
+    p.add_argument("--budget-s", type=float, default=TuneOptions.seconds)
     p.add_argument("--no-exhaustive", action="store_true")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     a = p.parse_args()

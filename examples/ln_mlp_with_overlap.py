@@ -19,6 +19,8 @@ import socket
 import sys
 from typing import Any
 
+from megatron_tp_overlap.engine.options import TuneOptions
+
 RTOL = {"bf16": 2e-2, "fp8": 1e-1}
 
 
@@ -44,7 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--autotune", action="store_true", help="tune the ub_cfgs with megatron-tp-overlap before the iterations"
     )
-    p.add_argument("--autotune-seconds", type=float, default=30.0)
+    p.add_argument("--autotune-seconds", type=float, default=TuneOptions.seconds)
     p.add_argument("--check-numerics", action="store_true", help="compare against a no-overlap reference")
     p.add_argument("--benchmark", action="store_true", help="time iterations: no overlap, given/TE default, autotuned")
     p.add_argument("--benchmark-iters", type=int, default=20, help="timed iterations per round")

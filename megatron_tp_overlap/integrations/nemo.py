@@ -32,7 +32,7 @@ from typing import Any
 import nemo.collections.llm  # noqa: F401  # first: NeMo's callback module imports recipes that import it back
 from nemo.lightning.pytorch.callbacks.megatron_comm_overlap import MegatronCommOverlapCallback
 
-from megatron_tp_overlap.engine.options import PREFIX, TUNED_YAML_NAME, TuneOptions, unknown_prefixed
+from megatron_tp_overlap.engine.options import PREFIX, TuneOptions, unknown_prefixed
 from megatron_tp_overlap.integrations.megatron.flags import default_output, output_problems
 from megatron_tp_overlap.integrations.megatron.run_shape import RunShape
 
@@ -163,4 +163,4 @@ class AutotuneCommOverlapCallback(MegatronCommOverlapCallback):
         return self.tuned.data_iterator
 
 
-__all__ = ["AutotuneCommOverlapCallback", "TUNED_YAML_NAME"]
+__all__ = ["AutotuneCommOverlapCallback"]

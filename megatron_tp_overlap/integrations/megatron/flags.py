@@ -5,7 +5,6 @@ that reproduce a tuned config (the recipe). Pure: CPU-testable without Megatron.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from pathlib import Path
 from typing import Any, Optional
 
@@ -122,11 +121,3 @@ def flags_for(ub: UbConfig, yaml_path: str | Path) -> tuple[list[str], str | Non
             "this config needs both modes"
         )
     return flags, None
-
-
-def generated_names() -> dict[str, list[str]]:
-    """Each option's name in every way in (for the README and the test that they agree)."""
-    return {
-        f.name: [flag_name(f.name), f"{PREFIX}_{f.name}", f"tp_overlap.{f.name}"]
-        for f in dataclasses.fields(TuneOptions)
-    }

@@ -11,6 +11,13 @@ from megatron_tp_overlap.engine.cache import TuningKey
 from megatron_tp_overlap.engine.switcher import UbInitArgs
 
 
+def _bf16_edge_layers(c: Any) -> bool:
+    """An FP8 run with its first/last layers in bf16 (Megatron's flags and TransformerConfig use the same names)."""
+    return bool(getattr(c, "first_last_layers_bf16", False)) and (
+        (getattr(c, "num_layers_at_start_in_bf16", 0) or 0) > 0 or (getattr(c, "num_layers_at_end_in_bf16", 0) or 0) > 0
+    )
+
+
 @dataclass(frozen=True)
 class RunShape:
     """The parallel layout, GEMM shapes and precision of a run (what the tuned config depends on)."""
@@ -39,11 +46,7 @@ class RunShape:
     @staticmethod
     def from_args(args: argparse.Namespace) -> RunShape:
         """From Megatron-LM's parsed arguments."""
-        heads = args.num_attention_heads
-        edge = bool(getattr(args, "first_last_layers_bf16", False)) and (
-            (getattr(args, "num_layers_at_start_in_bf16", 0) or 0) > 0
-            or (getattr(args, "num_layers_at_end_in_bf16", 0) or 0) > 0
-        )
+        heads, edge = args.num_attention_heads, _bf16_edge_layers(args)
         return RunShape(
             tp=args.tensor_model_parallel_size,
             seq_length=args.seq_length,
@@ -70,11 +73,7 @@ class RunShape:
     @staticmethod
     def from_transformer_config(m: Any, micro_batch_size: int, bootstrap_backend: Optional[str] = None) -> RunShape:
         """From a megatron-core ``TransformerConfig``-like model config that also carries ``seq_length``."""
-        heads, kv = m.num_attention_heads, getattr(m, "num_query_groups", None)
-        edge = bool(getattr(m, "first_last_layers_bf16", False)) and (
-            (getattr(m, "num_layers_at_start_in_bf16", 0) or 0) > 0
-            or (getattr(m, "num_layers_at_end_in_bf16", 0) or 0) > 0
-        )
+        heads, kv, edge = m.num_attention_heads, getattr(m, "num_query_groups", None), _bf16_edge_layers(m)
         return RunShape(
             tp=m.tensor_model_parallel_size,
             seq_length=m.seq_length,
