@@ -77,7 +77,7 @@ def check_launch(args: argparse.Namespace, world_size: int, multicast: bool, env
             p.append(f"--seq-length {args.seq_length} must be divisible by the TP size {tp} (sequence parallel)")
         elif (args.mlp_expansion_factor * args.num_heads * args.head_dim) % tp:
             p.append(f"ffn size must be divisible by the TP size {tp}")
-    if not args.no_comm_overlap and not multicast and env.get("UB_SKIPMC", "0") != "1":
+    if not args.no_comm_overlap and multicast is False and env.get("UB_SKIPMC", "0") != "1":
         p.append("this GPU/driver has no CUDA multicast: set UB_SKIPMC=1 (userbuffers over CUDA IPC)")
     if not args.no_comm_overlap and env.get("CUDA_DEVICE_MAX_CONNECTIONS") != "1":
         p.append("set CUDA_DEVICE_MAX_CONNECTIONS=1 (comm/GEMM overlap needs in-order kernel launch)")
@@ -98,17 +98,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    import torch
-    import torch.distributed as dist
-    import transformer_engine.pytorch as te
-    import transformer_engine.pytorch.cpp_extensions as tex
+    problems = check_launch(args, world, None, dict(os.environ))  # everything but the GPU's own facts, before TE
+    if not problems:
+        import transformer_engine.pytorch.cpp_extensions as tex
 
-    problems = check_launch(args, world, bool(tex.device_supports_multicast()), dict(os.environ))
+        problems = check_launch(args, world, bool(tex.device_supports_multicast()), dict(os.environ))
     if problems:
         if rank == 0:
             print("ln_mlp_with_overlap.py: cannot run:\n" + "\n".join(f"  - {x}" for x in problems), file=sys.stderr)
         return 2
-
+    import torch
+    import torch.distributed as dist
+    import transformer_engine.pytorch as te
     from transformer_engine.common.recipe import DelayedScaling, Format
     from transformer_engine.pytorch.module import base as te_base
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 
 @dataclass(frozen=True)
@@ -18,7 +19,26 @@ class Problem:
 
     def __str__(self) -> str:
         prefix = f"{self.where}: " if self.where else ""
+        if self.key.startswith("<") and self.value is None:  # about the file as a whole, e.g. its YAML syntax
+            return f"{prefix}{self.rule}"
         return f"{prefix}{self.key} = {self.value!r}: {self.rule}"
+
+
+def did_you_mean(value: Any, choices: Any, prefix: str = "") -> str:
+    """`` (did you mean 'x'?)`` for the closest of ``choices`` to ``value``, or ``""`` when none is close."""
+    close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1, cutoff=0.6)
+    return f" (did you mean {prefix + close[0]!r}?)" if close else ""
+
+
+def refuse(message: str, code: int = 2) -> NoReturn:
+    """End the process for a bad configuration: the message once (rank 0 under torchrun, or a single process), no
+    traceback, and the same exit code on every rank."""
+    import os
+    import sys
+
+    if os.environ.get("RANK", "0") == "0":
+        print(message, file=sys.stderr, flush=True)
+    raise SystemExit(code)
 
 
 class ConfigError(ValueError):

@@ -39,6 +39,15 @@ def shipped_models() -> list[str]:
     return sorted(str(p.parent.relative_to(SHIPPED)) for p in SHIPPED.glob("*/*/config.json"))
 
 
+def _suggestion(name: str) -> str:
+    """A shipped model close to ``name`` by full name or by its last part, case-insensitive (``llama3-8b``)."""
+    import difflib
+
+    by_key = {m.lower(): m for m in shipped_models()} | {m.split("/")[-1].lower(): m for m in shipped_models()}
+    close = difflib.get_close_matches(name.lower(), by_key, n=1, cutoff=0.6)
+    return f" (did you mean {by_key[close[0]]!r}?)" if close else ""
+
+
 def load_model_dims(name_or_path: str) -> ModelDims:
     """Dimensions of ``name_or_path``: a local directory with config.json, a shipped model, or one
     already in the Hugging Face cache (offline)."""
@@ -50,10 +59,16 @@ def load_model_dims(name_or_path: str) -> ModelDims:
     try:
         cfg = AutoConfig.from_pretrained(str(source) if source else name_or_path, local_files_only=True)
     except (OSError, ValueError) as e:
+        if source is not None:  # the file is there: say what is wrong with it
+            raise ValueError(
+                f"model {name_or_path!r}: {source / 'config.json'} is not a readable model config: "
+                f"{str(e).splitlines()[0]}"
+            ) from None
         raise ValueError(
-            f"model {name_or_path!r}: not a local config directory, not shipped, and not in the Hugging "
-            f"Face cache (no hub access here). Shipped: {', '.join(shipped_models())}"
-        ) from e
+            f"model {name_or_path!r}{_suggestion(name_or_path)}: looked in a local directory, "
+            f"the models shipped with this package and the Hugging Face cache (no hub access); shipped: "
+            f"{', '.join(shipped_models())}"
+        ) from None
     if getattr(cfg, "model_type", None) == "gpt2":
         h, heads = cfg.n_embd, cfg.n_head
         return ModelDims(

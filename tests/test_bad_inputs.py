@@ -153,7 +153,7 @@ CATALOG: list[tuple[str, Callable[[], str], tuple[str, ...]]] = [
     (
         "yaml: truncated file",
         lambda: yaml_error("qkv_fprop:\n  method: [ring_exchange\n"),
-        ("ub.yaml:3", "malformed YAML"),
+        ("ub.yaml:2:11", "malformed YAML"),  # where the unclosed `[` starts, not where the parser gave up
     ),
     (
         "yaml: a list instead of a mapping",

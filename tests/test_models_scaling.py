@@ -48,7 +48,7 @@ def test_local_directory(tmp_path):
 
 
 def test_unknown_model_is_a_clear_error():
-    with pytest.raises(ValueError, match="not shipped.*Qwen/Qwen3-8B"):
+    with pytest.raises(ValueError, match="looked in a local directory, the models shipped.*Qwen/Qwen3-8B"):
         load_model_dims("acme/NotAModel-7B")
 
 

@@ -55,7 +55,7 @@ def test_sweep_cli_errors_before_gpu_work(capsys):
     from megatron_tp_overlap.tools.cli import main
 
     assert main(["sweep", "--model", "acme/Nope-1B", "--out", "/tmp/x"]) == 1
-    assert "not shipped" in capsys.readouterr().err
+    assert "the models shipped with this package" in capsys.readouterr().err
 
 
 def test_sweep_keeps_to_the_gpus_it_was_given():

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from megatron_tp_overlap.engine.options import TuneOptions, did_you_mean
+from megatron_tp_overlap.engine.options import TuneOptions
+from megatron_tp_overlap.errors import did_you_mean
 
 CONF_DIR = Path(__file__).with_name("conf")
 OVERLAP_MODES = ("autotune", "te_default", "off", "preset", "file")

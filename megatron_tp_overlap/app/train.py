@@ -19,6 +19,7 @@ from typing import Any
 
 from megatron_tp_overlap.app.config import CONF_DIR, check_overrides, register, resolve_model, validate
 from megatron_tp_overlap.engine.options import TUNED_YAML_NAME, option_fields
+from megatron_tp_overlap.errors import refuse
 
 TAG = "[megatron-tp-overlap]"
 
@@ -174,9 +175,9 @@ def run(cfg: Any) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     problems = validate(cfg, world)
     if problems:
-        raise SystemExit("megatron_tp_overlap.train: invalid config:\n" + "\n".join(f"  - {p}" for p in problems))
+        refuse("megatron_tp_overlap.train: invalid config:\n" + "\n".join(f"  - {p}" for p in problems))
     if not torch.cuda.is_available():
-        raise SystemExit("megatron_tp_overlap.train needs CUDA GPUs (launch with torchrun on a GPU node)")
+        refuse("megatron_tp_overlap.train needs CUDA GPUs (launch with torchrun on a GPU node)")
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl")
     rank = dist.get_rank()
@@ -201,8 +202,7 @@ def run(cfg: Any) -> None:
 def main() -> None:
     problems = check_overrides(sys.argv[1:])
     if problems:
-        print("megatron_tp_overlap.train: " + "\n  ".join(["invalid overrides:", *problems]), file=sys.stderr)
-        raise SystemExit(2)
+        refuse("megatron_tp_overlap.train: " + "\n  ".join(["invalid overrides:", *problems]))
     import hydra
 
     register()

@@ -9,11 +9,12 @@ fields and the NeMo callback arguments (``tp_comm_overlap_autotune_<name>``), an
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional
+
+from megatron_tp_overlap.errors import did_you_mean
 
 STRATEGIES = ("coordinate", "slot_exhaustive", "exhaustive")
 TUNED_YAML_NAME = "tp_comm_overlap_tuned.yaml"  # default output file name, in the run's output folder
@@ -102,8 +103,3 @@ def unknown_prefixed(keys: Any, prefix: str = PREFIX) -> list[str]:
                 f"valid: {', '.join(prefix + '_' + n for n in names)}"
             )
     return out
-
-
-def did_you_mean(value: Any, choices: Any, prefix: str = "") -> str:
-    close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1, cutoff=0.6)
-    return f" (did you mean {prefix + close[0]!r}?)" if close else ""

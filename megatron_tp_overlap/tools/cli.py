@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
+from pathlib import Path
 
 from megatron_tp_overlap.engine.options import TuneOptions
 from megatron_tp_overlap.engine.space import DGRAD_MODES
@@ -51,12 +53,21 @@ def _preset(a: argparse.Namespace) -> int:
 def _analyze(a: argparse.Namespace) -> int:
     from megatron_tp_overlap.tools.trace import analyze, load, render
 
+    if a.json:  # before the analysis: a bad output path is a bad input
+        from megatron_tp_overlap.integrations.megatron.flags import output_problems
+
+        for p in output_problems(Path(a.json), "--json"):
+            print(f"analyze: {p.replace('the tuned YAML', 'the JSON')}", file=sys.stderr)
+            return 2
     results = {}
     for path in a.traces:
         try:
             r = analyze(load(path))
         except ValueError as e:
-            print(e, file=sys.stderr)
+            print(f"analyze: {path}: {e}" if str(path) not in str(e) else f"analyze: {e}", file=sys.stderr)
+            return 1
+        if not r:
+            print(f"analyze: {path}: no GPU kernel events (a CPU-only trace, or an empty one)", file=sys.stderr)
             return 1
         print(f"{path}\n{render(r)}\n")
         results[path] = {dev: t.to_dict() for dev, t in r.items()}
@@ -68,9 +79,13 @@ def _analyze(a: argparse.Namespace) -> int:
 
 
 def _sweep(a: argparse.Namespace) -> int:
-    from pathlib import Path
-
+    from megatron_tp_overlap.atomic import unwritable
     from megatron_tp_overlap.tools.sweep import run_sweep
+
+    why = unwritable(a.out)
+    if why:
+        print(f"sweep: --out {a.out}: cannot write there ({why})", file=sys.stderr)
+        return 2
 
     try:
         report = run_sweep(
@@ -92,6 +107,28 @@ def _sweep(a: argparse.Namespace) -> int:
     return 0 if report else 1
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (argparse names the flag in its error)."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{v}: must be >= 1")
+    return v
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(v) and v > 0):
+        raise argparse.ArgumentTypeError(f"{v}: must be a finite number > 0")
+    return v
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line of every subcommand but ``bench`` (which has its own parser)."""
     p = argparse.ArgumentParser(prog="megatron-tp-overlap", description=__doc__.split("\n\n")[0])
@@ -99,9 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("bench", help="AG+GEMM / GEMM+RS kernels: every overlap backend vs the bound (see bench --help)")
     v = sub.add_parser("validate", help="check a --tp-comm-overlap-cfg YAML against TE's rules")
     v.add_argument("yaml")
-    v.add_argument("--tp", type=int, default=None)
+    v.add_argument("--tp", type=positive_int, default=None)
     v.add_argument("--fp8", action="store_true")
-    v.add_argument("--sm-count", type=int, default=None)
+    v.add_argument("--sm-count", type=positive_int, default=None)
     v.set_defaults(fn=_validate)
     pr = sub.add_parser("preset", help="list the presets, or print one as YAML")
     pr.add_argument("name", nargs="?")
@@ -112,12 +149,14 @@ def build_parser() -> argparse.ArgumentParser:
     an.set_defaults(fn=_analyze)
     sw = sub.add_parser("sweep", help="tune and time a model's layers at TP = 1, 2, 4, ...; recommend a TP size")
     sw.add_argument("--model", required=True, help="e.g. Qwen/Qwen3-8B (shipped), or a local config directory")
-    sw.add_argument("--max-tp-size", type=int, default=8)
-    sw.add_argument("--max-token-len", type=int, default=8192, help="tokens per micro-batch (sequence x batch)")
+    sw.add_argument("--max-tp-size", type=positive_int, default=8)
+    sw.add_argument(
+        "--max-token-len", type=positive_int, default=8192, help="tokens per micro-batch (sequence x batch)"
+    )
     sw.add_argument("--operators", nargs="+", default=list(MODULES), choices=MODULES)
-    sw.add_argument("--layers", type=int, default=2)
+    sw.add_argument("--layers", type=positive_int, default=2)
     sw.add_argument("--tol", type=float, default=0.2, help="TP=n is efficient if time <= time(1)/n x (1 + tol)")
-    sw.add_argument("--budget-s", type=float, default=TuneOptions.seconds, help="tuning budget per TP size, s")
+    sw.add_argument("--budget-s", type=positive_float, default=TuneOptions.seconds, help="tuning budget per TP size, s")
     sw.add_argument("--profile", action="store_true", help="torch-profiler traces and overlap ratios")
     sw.add_argument(
         "--dgrad-mode",

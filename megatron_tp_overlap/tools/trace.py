@@ -113,7 +113,10 @@ def analyze(trace: dict[str, Any]) -> dict[str, DeviceTimes]:
     counts: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     for ev in gpu_events(trace):
         dev = str(ev.get("args", {}).get("device", ev.get("pid")))
-        iv = (float(ev["ts"]), float(ev["ts"]) + float(ev["dur"]))
+        try:
+            iv = (float(ev["ts"]), float(ev["ts"]) + float(ev["dur"]))
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"a GPU event without a numeric ts/dur: {str(ev)[:120]}") from None
         cls = classify(str(ev.get("name", "")))
         by_dev[dev][cls].append(iv)
         by_dev[dev]["any"].append(iv)

@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from megatron_tp_overlap.errors import ConfigError, Problem
+from megatron_tp_overlap.errors import ConfigError, Problem, did_you_mean
 
 MODULES = ("qkv", "proj", "fc1", "fc2")
 PHASES = ("fprop", "dgrad", "wgrad")
@@ -232,7 +232,12 @@ def parse_ub_cfgs(raw: Any, source: str | None = None, lines: Mapping[str, int] 
     for name, body in raw.items():
         if name not in GEMM_NAMES:
             problems.append(
-                Problem(str(name), body, f"unknown GEMM name; valid: {', '.join(GEMM_NAMES)}", where(str(name)))
+                Problem(
+                    str(name),
+                    body,
+                    f"unknown GEMM name{did_you_mean(name, GEMM_NAMES)}; valid: {', '.join(GEMM_NAMES)}",
+                    where(str(name)),
+                )
             )
             continue
         if not isinstance(body, Mapping):
@@ -244,7 +249,8 @@ def parse_ub_cfgs(raw: Any, source: str | None = None, lines: Mapping[str, int] 
         for knob, value in body.items():
             key = f"{name}.{knob}"
             if knob not in KNOBS:
-                problems.append(Problem(key, value, f"unknown key; valid: {', '.join(KNOBS)}", where(key)))
+                rule = f"unknown key{did_you_mean(knob, KNOBS)}; valid: {', '.join(KNOBS)}"
+                problems.append(Problem(key, value, rule, where(key)))
                 continue
             v = _coerce(key, knob, value, problems, where(key))
             if v is not None:
@@ -294,7 +300,9 @@ def parse_yaml(text: str, source: str = "<string>") -> tuple[UbConfig, dict[str,
         raw = yaml.safe_load(text)
         lines = _yaml_lines(text, source)
     except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+        # the context mark is where the broken construct starts (e.g. an unclosed `[`); the problem mark is where
+        # the parser gave up, often a line later
+        mark = getattr(e, "context_mark", None) or getattr(e, "problem_mark", None)
         where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark else source
         problem = getattr(e, "problem", None) or str(e)
         raise ConfigError([Problem("<yaml>", None, f"malformed YAML: {problem}", where)], source) from e
@@ -307,9 +315,16 @@ def loads_yaml(text: str, source: str = "<string>") -> UbConfig:
 
 def read_text(path: str | Path) -> str:
     try:
-        return Path(path).read_text()
+        return Path(path).read_text(encoding="utf-8")
+    except IsADirectoryError:
+        raise ConfigError(
+            [Problem("<file>", str(path), "is a directory, not a YAML file", str(path))], str(path)
+        ) from None
     except OSError as e:
         raise ConfigError([Problem("<file>", str(path), f"cannot read: {e.strerror}", str(path))], str(path)) from e
+    except UnicodeDecodeError as e:
+        rule = f"not UTF-8 text (byte {e.start}: {e.object[e.start : e.start + 1]!r}); a YAML file is expected"
+        raise ConfigError([Problem("<file>", str(path), rule, str(path))], str(path)) from None
 
 
 def load_yaml(path: str | Path) -> UbConfig:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_tp_overlap.errors import ConfigError, Problem
+from megatron_tp_overlap.errors import ConfigError, Problem, did_you_mean
 from megatron_tp_overlap.ub.config import UbConfig, parse_ub_cfgs
 
 
@@ -156,7 +156,8 @@ def get_preset(name: str) -> UbConfig:
     try:
         return PRESETS[name]
     except KeyError:
-        raise ConfigError([Problem("preset", name, f"unknown preset; valid: {', '.join(PRESETS)}")]) from None
+        rule = f"unknown preset{did_you_mean(name, PRESETS)}; list them with `megatron-tp-overlap preset`"
+        raise ConfigError([Problem("preset", name, rule)]) from None
 
 
 def closest_preset(hidden: int, tp_size: int, fp8: bool, gpu: str = "h100") -> str:

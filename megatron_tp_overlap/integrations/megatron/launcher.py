@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Optional
 
+from megatron_tp_overlap.errors import refuse
 from megatron_tp_overlap.integrations.megatron.flags import (
     add_arguments,
     check_arguments,
@@ -115,9 +116,7 @@ def _parse_args_with_flags(original_parse: Callable) -> Callable:
         args = original_parse(provider, ignore_unknown_args)
         problems = check_arguments(args, _te_available())
         if problems:
-            raise SystemExit(
-                "megatron-tp-overlap: cannot autotune with these flags:\n" + "\n".join(f"  - {p}" for p in problems)
-            )
+            refuse("megatron-tp-overlap: cannot autotune with these flags:\n" + "\n".join(f"  - {p}" for p in problems))
         return args
 
     return parse_args
@@ -207,7 +206,14 @@ def run_script(argv: list[str]) -> None:
         raise SystemExit(0 if argv else 2)
     script = argv[0]
     if not os.path.isfile(script):
-        raise SystemExit(f"megatron_tp_overlap.run: training script not found: {script}")
+        refuse(f"megatron_tp_overlap.run: training script not found: {script}")
+    try:
+        import megatron.training  # noqa: F401
+    except ImportError as e:
+        refuse(
+            "megatron_tp_overlap.run needs Megatron-LM's megatron.training (megatron-core with Transformer Engine: "
+            f"pip install -e '.[te]'); importing it failed: {e}"
+        )
     install(iteration_log=log)
     sys.argv = [script, *argv[1:]]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
