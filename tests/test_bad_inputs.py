@@ -88,6 +88,58 @@ def bench_error(op: str, M: int, N: int, K: int, tp: int) -> str:
     return "\n".join(check_shape(op, M, N, K, tp))
 
 
+def file_error(content: bytes, name: str = "ub.yaml") -> str:
+    """Validate a YAML file holding ``content`` (what --tp-comm-overlap-cfg, tp_overlap.file and --ub-cfg read)."""
+    from megatron_tp_overlap.ub.rules import load_and_validate
+
+    path = Path(tempfile.mkdtemp(prefix="tpo-bad-")) / name
+    path.write_bytes(content)
+    try:
+        load_and_validate(path, CTX)
+    except ConfigError as e:
+        return str(e)
+    finally:
+        path.unlink()
+        path.parent.rmdir()
+    return ""
+
+
+def cli_error(*argv: str, trace: object = None) -> str:
+    """stderr of ``megatron-tp-overlap ARGV`` (argparse refusals included); ``trace``: a JSON document written
+    to a temporary trace.json that ``{trace}`` in ARGV names."""
+    import contextlib
+    import io
+    import json
+
+    from megatron_tp_overlap.tools.cli import main
+
+    tmp = Path(tempfile.mkdtemp(prefix="tpo-bad-"))
+    (tmp / "trace.json").write_text(json.dumps(trace))
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            code = main([a.replace("{trace}", str(tmp / "trace.json")).replace("{tmp}", str(tmp)) for a in argv])
+        except SystemExit as e:
+            code = e.code
+    (tmp / "trace.json").unlink()
+    for f in tmp.iterdir():
+        f.unlink() if f.is_file() else f.rmdir()
+    tmp.rmdir()
+    return err.getvalue() if code else ""
+
+
+GOOD_EVENT = {
+    "ph": "X",
+    "cat": "kernel",
+    "name": "nvjet_gemm",
+    "pid": 0,
+    "tid": 7,
+    "ts": 1.0,
+    "dur": 2.0,
+    "args": {"device": 0, "stream": 7},
+}
+
+
 CATALOG: list[tuple[str, Callable[[], str], tuple[str, ...]]] = [
     # --- userbuffers YAML (--tp-comm-overlap-cfg, tp_overlap.file, --ub-cfg) ---
     (
@@ -98,7 +150,7 @@ CATALOG: list[tuple[str, Callable[[], str], tuple[str, ...]]] = [
     (
         "yaml: unknown knob",
         lambda: yaml_error("qkv_fprop:\n  method: ring_exchange\n  num_sms: 4\n"),
-        ("ub.yaml:3", "qkv_fprop.num_sms", "unknown key"),
+        ("ub.yaml:3", "qkv_fprop.num_sms", "unknown key (did you mean 'num_sm'?)"),
     ),
     (
         "yaml: unknown method",
@@ -283,11 +335,129 @@ CATALOG: list[tuple[str, Callable[[], str], tuple[str, ...]]] = [
         lambda: bench_error("ag", 1000, 12288, 49152, 3),
         ("M = 1000", "divisible by the TP size 3"),
     ),
+    # --- YAML files on disk ---
+    ("yaml: binary file", lambda: file_error(b"\xff\xfe\x00qkv"), ("ub.yaml", "not UTF-8 text")),
+    ("yaml: GEMM name typo", lambda: yaml_error("qkv_fporp:\n  method: bulk\n"), ("did you mean 'qkv_fprop'",)),
+    (
+        "yaml: unclosed bracket on the last line",
+        lambda: yaml_error("qkv_dgrad:\n  method: bulk\nfc1_fprop: [1, 2\n"),
+        ("ub.yaml:3:12", "malformed YAML"),
+    ),
+    # --- Hydra main job: values that used to slip through ---
+    (
+        "hydra: zero heads",
+        lambda: hydra_error("model.num_attention_heads=0"),
+        ("model.num_attention_heads = 0", ">= 1"),
+    ),
+    ("hydra: zero micro-batch", lambda: hydra_error("training.micro_batch_size=0"), ("training.micro_batch_size = 0",)),
+    ("hydra: negative sequence", lambda: hydra_error("training.seq_length=-4096"), ("training.seq_length = -4096",)),
+    ("hydra: zero layers", lambda: hydra_error("model.num_layers=0"), ("model.num_layers = 0", ">= 1")),
+    ("hydra: negative hidden", lambda: hydra_error("model.hidden_size=-2048"), ("model.hidden_size = -2048",)),
+    ("hydra: zero ffn", lambda: hydra_error("model.ffn_hidden_size=0"), ("model.ffn_hidden_size = 0",)),
+    ("hydra: zero vocab", lambda: hydra_error("model.vocab_size=0"), ("model.vocab_size = 0",)),
+    (
+        "hydra: zero global batch",
+        lambda: hydra_error("training.global_batch_size=0"),
+        ("training.global_batch_size = 0",),
+    ),
+    ("hydra: zero KV groups", lambda: hydra_error("model.num_query_groups=0"), ("model.num_query_groups = 0", ">= 1")),
+    ("hydra: negative lr", lambda: hydra_error("training.lr=-1"), ("training.lr = -1.0", "> 0")),
+    ("hydra: nan budget", lambda: hydra_error("tp_overlap.seconds=nan"), ("tp_overlap.seconds = nan", "finite")),
+    ("hydra: inf budget", lambda: hydra_error("tp_overlap.seconds=inf"), ("tp_overlap.seconds = inf", "finite")),
+    ("hydra: key typo", lambda: hydra_error("tp_overlap.secnds=5"), ("tp_overlap.secnds", "did you mean 'seconds'")),
+    ("hydra: group typo", lambda: hydra_error("modle=llama3_8b"), ("'modle'", "did you mean 'model'")),
+    ("hydra: model choice typo", lambda: hydra_error("model=llama3-8b"), ("did you mean 'llama3_8b'",)),
+    (
+        "hydra: preset typo",
+        lambda: hydra_error("tp_overlap=preset", "tp_overlap.preset=userbuffers_bf16_h100_h8192_tp4_mbs1_seqlen819"),
+        ("tp_overlap.preset", "did you mean 'userbuffers_bf16_h100_h8192_tp4_mbs1_seqlen8192'"),
+    ),
+    (
+        "hydra: unknown HF model",
+        lambda: hydra_error("model.hf=acme/Nope-7B"),
+        ("model.hf = 'acme/Nope-7B'", "looked in"),
+    ),
+    (
+        "hydra: preset and file together",
+        lambda: hydra_error(
+            "tp_overlap.preset=userbuffers_bf16_h100_h8192_tp4_mbs1_seqlen8192", "tp_overlap.file=x.yaml"
+        ),
+        ("tp_overlap.preset and tp_overlap.file", "give one"),
+    ),
+    (
+        "hydra: output is a directory",
+        lambda: hydra_error(f"tp_overlap.output={tempfile.gettempdir()}"),
+        ("is a directory",),
+    ),
+    ("hydra: rtol too large", lambda: hydra_error("tp_overlap.rtol=5"), ("tp_overlap.rtol = 5.0", "<= 0.5")),
+    # --- Megatron-LM flags ---
+    (
+        "megatron: rtol too large",
+        lambda: megatron_error(tp_comm_overlap_autotune_rtol=5.0),
+        ("-rtol = 5.0: must be <= 0.5",),
+    ),
+    (
+        "megatron: nan budget",
+        lambda: megatron_error(tp_comm_overlap_autotune_seconds=float("nan")),
+        ("-seconds = nan",),
+    ),
+    (
+        "megatron: strategy typo",
+        lambda: megatron_error(tp_comm_overlap_autotune_strategy="coordnate"),
+        ("-strategy = 'coordnate'", "did you mean 'coordinate'"),
+    ),
+    (
+        "megatron: output is a directory",
+        lambda: megatron_error(tp_comm_overlap_autotune_output=tempfile.gettempdir()),
+        ("--tp-comm-overlap-autotune-output", "is a directory"),
+    ),
+    (
+        "megatron: --tp-comm-overlap-cfg is a directory",
+        lambda: megatron_error(tp_comm_overlap_cfg=tempfile.gettempdir()),
+        ("--tp-comm-overlap-cfg", "is a directory, not a YAML file"),
+    ),
+    # --- the example ---
+    ("example: zero iterations", lambda: example_error(["--num-iters", "0"]), ("argparse refused",)),
+    (
+        "example: sequence not divisible by TP",
+        lambda: example_error(["--seq-length", "2047"], world=2),
+        ("--seq-length 2047", "divisible by the TP size 2"),
+    ),
+    # --- CLI subcommands ---
+    ("cli validate: --tp 0", lambda: cli_error("validate", "x.yaml", "--tp", "0"), ("--tp", "must be >= 1")),
+    ("cli validate: --tp -4", lambda: cli_error("validate", "x.yaml", "--tp", "-4"), ("--tp", "must be >= 1")),
+    ("cli validate: --sm-count 0", lambda: cli_error("validate", "x.yaml", "--sm-count", "0"), ("--sm-count",)),
+    ("cli validate: missing file", lambda: cli_error("validate", "/nonexistent/ub.yaml"), ("cannot read",)),
+    ("cli preset: typo", lambda: cli_error("preset", "te_defualt"), ("unknown preset", "did you mean 'te_default'")),
+    ("cli analyze: empty trace", lambda: cli_error("analyze", "{trace}", trace=[]), ("no GPU kernel events",)),
+    (
+        "cli analyze: event without ts",
+        lambda: cli_error("analyze", "{trace}", trace=[{**GOOD_EVENT, "ts": "soon"}]),
+        ("without a numeric ts/dur",),
+    ),
+    (
+        "cli analyze: --json is a directory",
+        lambda: cli_error("analyze", "{trace}", "--json", "{tmp}", trace=[GOOD_EVENT]),
+        ("--json", "is a directory"),
+    ),
+    ("cli sweep: zero layers", lambda: cli_error("sweep", "--model", "Qwen/Qwen3-8B", "--layers", "0"), ("--layers",)),
+    ("cli sweep: negative budget", lambda: cli_error("sweep", "--model", "x", "--budget-s", "-1"), ("--budget-s",)),
+    (
+        "cli sweep: unwritable --out",
+        lambda: cli_error("sweep", "--model", "Qwen/Qwen3-8B", "--out", UNWRITABLE),
+        ("--out", "cannot write there"),
+    ),
+    (
+        "cli sweep: model name typo",
+        lambda: cli_error("sweep", "--model", "qwen3-8b", "--out", "{tmp}"),
+        ("did you mean 'Qwen/Qwen3-8B'",),
+    ),
 ]
 
 
-def test_the_catalog_is_large_enough():
-    assert len(CATALOG) >= 30
+def test_the_catalog_is_large_enough_and_the_readme_says_how_large():
+    assert len(CATALOG) >= 60
+    assert f"holds {len(CATALOG)} cases" in (Path(__file__).parents[1] / "README.md").read_text()
 
 
 @pytest.mark.parametrize("name, produce, needles", CATALOG, ids=[c[0] for c in CATALOG])

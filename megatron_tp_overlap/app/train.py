@@ -202,7 +202,7 @@ def run(cfg: Any) -> None:
 def main() -> None:
     problems = check_overrides(sys.argv[1:])
     if problems:
-        refuse("megatron_tp_overlap.train: " + "\n  ".join(["invalid overrides:", *problems]))
+        refuse("megatron_tp_overlap.train: invalid overrides:\n" + "\n".join(f"  - {p}" for p in problems))
     import hydra
 
     register()
