@@ -128,6 +128,38 @@ def cli_error(*argv: str, trace: object = None) -> str:
     return err.getvalue() if code else ""
 
 
+_FILES = tempfile.TemporaryDirectory(prefix="tpo-bad-")  # removed when the test process ends
+
+
+def yaml_file(text: str, name: str = "ub.yaml") -> str:
+    """A file holding ``text``, alone in a fresh folder under :data:`_FILES`."""
+    path = Path(tempfile.mkdtemp(dir=_FILES.name)) / name
+    path.write_text(text)
+    return str(path)
+
+
+def run_without_megatron() -> str:
+    """``-m megatron_tp_overlap.run script.py`` where ``megatron.training`` does not import (CI has no Megatron)."""
+    import contextlib
+    import io
+    import sys
+
+    from megatron_tp_overlap.integrations.megatron.launcher import run_script
+
+    err = io.StringIO()
+    saved = sys.modules.get("megatron.training", False)
+    sys.modules["megatron.training"] = None  # an import of it raises ImportError
+    try:
+        with contextlib.redirect_stderr(err), pytest.raises(SystemExit):
+            run_script([__file__, "--tp-comm-overlap"])
+    finally:
+        if saved is False:
+            del sys.modules["megatron.training"]
+        else:
+            sys.modules["megatron.training"] = saved
+    return err.getvalue()
+
+
 GOOD_EVENT = {
     "ph": "X",
     "cat": "kernel",
@@ -415,6 +447,17 @@ CATALOG: list[tuple[str, Callable[[], str], tuple[str, ...]]] = [
         "megatron: --tp-comm-overlap-cfg is a directory",
         lambda: megatron_error(tp_comm_overlap_cfg=tempfile.gettempdir()),
         ("--tp-comm-overlap-cfg", "is a directory, not a YAML file"),
+    ),
+    (
+        "megatron: num_splits beyond the tokens per rank",
+        lambda: megatron_error(tp_comm_overlap_cfg=yaml_file("fc2_fprop:\n  method: pipeline\n  num_splits: 100000\n")),
+        ("fc2_fprop.num_splits = 100000", "must be <= tokens / TP = 4096 / 2 = 2048"),
+    ),
+    ("megatron: -m megatron_tp_overlap.run without Megatron", lambda: run_without_megatron(), ("needs Megatron-LM",)),
+    (
+        "cli sweep: malformed local config.json",
+        lambda: cli_error("sweep", "--model", str(Path(yaml_file("{bad", "config.json")).parent), "--out", "{tmp}"),
+        ("config.json is not a readable model config",),
     ),
     # --- the example ---
     ("example: zero iterations", lambda: example_error(["--num-iters", "0"]), ("argparse refused",)),

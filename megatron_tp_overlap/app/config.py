@@ -251,7 +251,10 @@ def _overlap_problems(ov: Any, tr: Any, par: Any, tp: int) -> list[str]:
         from megatron_tp_overlap.ub.rules import ValidationContext, load_and_validate
 
         try:
-            load_and_validate(ov.file, ValidationContext(fp8=tr.precision == "fp8", tp_size=max(tp, 2)))
+            ctx = ValidationContext(
+                fp8=tr.precision == "fp8", tp_size=max(tp, 2), tokens=tr.seq_length * tr.micro_batch_size
+            )
+            load_and_validate(ov.file, ctx)
         except ConfigError as e:
             p.append(f"tp_overlap.file: {e}")
     if ov.mode == "autotune":

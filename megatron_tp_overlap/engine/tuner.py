@@ -101,7 +101,12 @@ class Autotuner:
     def __post_init__(self) -> None:
         self.modules: list[OverlapModule] = find_overlap_modules(self.model)
         self.topology = build_topology(self.modules)
-        self.ctx = ValidationContext(fp8=self.init_args.fp8, sm_count=device_sm_count(), tp_size=self.init_args.tp_size)
+        self.ctx = ValidationContext(
+            fp8=self.init_args.fp8,
+            sm_count=device_sm_count(),
+            tp_size=self.init_args.tp_size,
+            tokens=self.init_args.shape[0],
+        )
         ref = self.reference if self.reference is not None else UbConfig()
         check(ref, self.ctx, "reference config")  # bad input fails here, before any GPU work
         self.reference = ref

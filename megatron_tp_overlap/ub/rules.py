@@ -31,11 +31,13 @@ MAX_CGA_SIZE = 4
 
 @dataclass(frozen=True)
 class ValidationContext:
-    """What the rules depend on. ``sm_count=None`` skips the upper bound of ``num_sm``."""
+    """What the rules depend on. ``sm_count=None`` skips the upper bound of ``num_sm``, ``tokens=None`` (sequence x
+    micro-batch / CP, the userbuffers' rows) that of ``num_splits``."""
 
     fp8: bool = False
     sm_count: int | None = None
     tp_size: int | None = None
+    tokens: int | None = None
 
 
 def allowed_methods(name: str) -> tuple[str, ...]:
@@ -97,6 +99,12 @@ def check(
             bad(f"{name}.cga_size", c.cga_size, f"must be in 1..{MAX_CGA_SIZE}")
         if c.num_splits is not None and c.num_splits < 1:
             bad(f"{name}.num_splits", c.num_splits, "must be >= 1")
+        elif c.num_splits is not None and ctx.tokens and c.num_splits > ctx.tokens // tp:
+            # a pipelined GEMM splits its [tokens, hidden] output into num_splits chunks, each reduce-scattered over
+            # the TP ranks: a chunk needs at least one row per rank
+            bad(
+                f"{name}.num_splits", c.num_splits, f"must be <= tokens / TP = {ctx.tokens} / {tp} = {ctx.tokens // tp}"
+            )
         if c.is_reduce_scatter is not None:
             expected = name in RS_GEMMS or name in BULK_WGRAD_GEMMS or cfg.dgrad_is_reduce_scatter(name)
             if c.is_reduce_scatter != expected:

@@ -86,7 +86,8 @@ def check_arguments(args: argparse.Namespace, te_available: bool = True) -> list
     """Problems with a Megatron-LM flag combination (empty when fine), before any GPU work."""
     if not getattr(args, PREFIX, False):
         return []
-    p = [f"{FLAG}: {x}" for x in RunShape.from_args(args).problems(te_available)]
+    run = RunShape.from_args(args)
+    p = [f"{FLAG}: {x}" for x in run.problems(te_available)]
     p += options_from_args(args).problems(flag_name)
     cfg = getattr(args, "tp_comm_overlap_cfg", None)
     if cfg:
@@ -95,9 +96,7 @@ def check_arguments(args: argparse.Namespace, te_available: bool = True) -> list
         try:
             load_and_validate(
                 cfg,
-                ValidationContext(
-                    fp8=bool(getattr(args, "fp8", None)), tp_size=max(args.tensor_model_parallel_size, 2)
-                ),
+                ValidationContext(fp8=bool(run.fp8), tp_size=max(run.tp, 2), tokens=run.init_tokens),
             )
         except ConfigError as e:
             p.append(f"--tp-comm-overlap-cfg: {e}")

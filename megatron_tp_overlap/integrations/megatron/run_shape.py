@@ -96,6 +96,11 @@ class RunShape:
         )
 
     @property
+    def init_tokens(self) -> int:
+        """Rows of the userbuffers (Megatron's ``initialize_ub`` shape[0])."""
+        return (self.decoder_seq_length or self.seq_length) * self.micro_batch_size // self.cp
+
+    @property
     def dtype(self) -> str:
         return "fp8" if self.fp8 else "bf16" if self.bf16 else "fp16" if self.fp16 else "fp32"
 
@@ -133,7 +138,7 @@ class RunShape:
             te_version=te_version,
             tp=self.tp,
             cp=self.cp,
-            tokens=(self.decoder_seq_length or self.seq_length) * self.micro_batch_size // self.cp,
+            tokens=self.init_tokens,
             hidden=self.hidden,
             ffn=self.ffn,
             heads=self.heads,
@@ -159,10 +164,9 @@ class RunShape:
         if captured is not None:
             return captured
         modes = [Q.FP8 if self.fp8 else Q.NONE] + ([Q.NONE] if self.fp8 and self.bf16_edge_layers else [])
-        seq = self.decoder_seq_length or self.seq_length
         dtype = torch.bfloat16 if self.bf16 else torch.float16 if self.fp16 else torch.float32
         return UbInitArgs(
-            shape=[seq * self.micro_batch_size // self.cp, self.hidden],
+            shape=[self.init_tokens, self.hidden],
             tp_size=self.tp,
             quantization_modes=modes,
             dtype=dtype,
