@@ -1,14 +1,17 @@
-"""Model dimensions from a Hugging Face model name or a local config directory, offline.
+"""Model dimensions from a Hugging Face model name or a local config directory.
 
-Configs of common models ship with the package (``model_configs/<org>/<name>/config.json``: Llama 2,
-Llama 3/3.1, Qwen3 0.6B-32B, GPT-3 1.3B-175B) and load through ``transformers.AutoConfig``; a name
-that is neither shipped nor in the local Hugging Face cache is a clear error (no hub access).
+Resolution order: a local directory with a ``config.json``; the Hugging Face hub when it is reachable (and
+``HF_HUB_OFFLINE`` is not set); the local Hugging Face cache; the configs shipped with the package
+(``model_configs/<org>/<name>/config.json``: Llama 2, Llama 3/3.1, Qwen3 0.6B-32B, GPT-3 1.3B-175B). All load
+through ``transformers.AutoConfig``; :attr:`ModelDims.source` says which one answered (and the hub revision).
+An unknown name is one clear error saying where it looked.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 SHIPPED = Path(__file__).with_name("model_configs")
 
@@ -24,6 +27,9 @@ class ModelDims:
     layers: int
     vocab: int
     gated_mlp: bool  # SwiGLU: fc1 produces 2 x ffn
+    source: str = (
+        ""  # where the config came from: "local directory", "hub@<revision>", "HF cache@<revision>", "shipped"
+    )
 
     @property
     def qkv_out(self) -> int:
@@ -48,31 +54,51 @@ def _suggestion(name: str) -> str:
     return f" (did you mean {by_key[close[0]]!r}?)" if close else ""
 
 
-def load_model_dims(name_or_path: str) -> ModelDims:
-    """Dimensions of ``name_or_path``: a local directory with config.json, a shipped model, or one
-    already in the Hugging Face cache (offline)."""
+def _hub_offline() -> bool:
+    import os
+
+    return os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
+
+
+def find_config(name_or_path: str) -> tuple[Any, str]:
+    """The ``transformers`` config of ``name_or_path`` and where it came from, in the resolution order above."""
     from transformers import AutoConfig
 
-    local = Path(name_or_path)
-    shipped = SHIPPED / name_or_path
-    source = local if (local / "config.json").is_file() else shipped if (shipped / "config.json").is_file() else None
-    try:
-        cfg = AutoConfig.from_pretrained(str(source) if source else name_or_path, local_files_only=True)
-    except (OSError, ValueError) as e:
-        if source is not None:  # the file is there: say what is wrong with it
+    local = Path(name_or_path).expanduser()
+    if (local / "config.json").is_file():
+        try:
+            return AutoConfig.from_pretrained(str(local), local_files_only=True), "local directory"
+        except (OSError, ValueError) as e:  # the file is there: say what is wrong with it
             raise ValueError(
-                f"model {name_or_path!r}: {source / 'config.json'} is not a readable model config: "
+                f"model {name_or_path!r}: {local / 'config.json'} is not a readable model config: "
                 f"{str(e).splitlines()[0]}"
             ) from None
-        raise ValueError(
-            f"model {name_or_path!r}{_suggestion(name_or_path)}: looked in a local directory, "
-            f"the models shipped with this package and the Hugging Face cache (no hub access); shipped: "
-            f"{', '.join(shipped_models())}"
-        ) from None
+    tried = ["a local directory"]
+    for where, kw in (("hub", {}), ("HF cache", {"local_files_only": True})):
+        if where == "hub" and _hub_offline():
+            continue
+        tried.append(f"the Hugging Face {'hub' if where == 'hub' else 'cache'}")
+        try:
+            cfg = AutoConfig.from_pretrained(name_or_path, **kw)
+        except (OSError, ValueError):  # unreachable, gated, unknown, or not cached
+            continue
+        return cfg, f"{where}@{getattr(cfg, '_commit_hash', None) or 'unknown revision'}"
+    shipped = SHIPPED / name_or_path
+    if (shipped / "config.json").is_file():
+        return AutoConfig.from_pretrained(str(shipped), local_files_only=True), "shipped"
+    raise ValueError(
+        f"model {name_or_path!r}{_suggestion(name_or_path)}: looked in {', '.join(tried)} and the models shipped "
+        f"with this package ({', '.join(shipped_models())})"
+    )
+
+
+def load_model_dims(name_or_path: str) -> ModelDims:
+    """Dimensions of ``name_or_path`` (see the module docstring for where it looks)."""
+    cfg, source = find_config(name_or_path)
     if getattr(cfg, "model_type", None) == "gpt2":
         h, heads = cfg.n_embd, cfg.n_head
         return ModelDims(
-            name_or_path, h, cfg.n_inner or 4 * h, heads, heads, h // heads, cfg.n_layer, cfg.vocab_size, False
+            name_or_path, h, cfg.n_inner or 4 * h, heads, heads, h // heads, cfg.n_layer, cfg.vocab_size, False, source
         )
     heads = cfg.num_attention_heads
     kv = getattr(cfg, "num_key_value_heads", None) or heads
@@ -88,4 +114,5 @@ def load_model_dims(name_or_path: str) -> ModelDims:
         cfg.num_hidden_layers,
         cfg.vocab_size,
         act in ("silu", "swish"),
+        source,
     )

@@ -17,3 +17,9 @@ def fake_te(monkeypatch):
     monkeypatch.setattr(fakes, "STATE", te)
     monkeypatch.setattr(ub_runtime, "_te_base", lambda: te)
     return te
+
+
+@pytest.fixture(autouse=True)
+def _no_hub(monkeypatch):
+    """Tests never reach the Hugging Face hub (CI has no network); tests of the hub path mock it."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")

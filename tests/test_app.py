@@ -24,7 +24,9 @@ def test_every_choice_of_every_group_composes(group):
     choices = group_choices(group)
     assert choices
     for choice in choices:
-        extra = ["tp_overlap.file=x.yaml"] if (group, choice) == ("tp_overlap", "file") else []
+        extra = {("tp_overlap", "file"): ["tp_overlap.file=x.yaml"], ("model", "hf"): ["model.hf=Qwen/Qwen3-4B"]}.get(
+            (group, choice), []
+        )
         cfg = compose([f"{group}={choice}", *extra])
         assert cfg[group] is not None
 
@@ -98,6 +100,11 @@ def test_main_exits_with_the_message(monkeypatch, capsys):
             2,
             "give one",
         ),
+        (
+            ["model.hf=Qwen/Qwen3-32B", "parallel.tp=3"],
+            3,
+            "model.num_attention_heads = 64: must be divisible by parallel.tp = 3",
+        ),
         (["model.hidden_size=-2048"], 2, "model.hidden_size = -2048: must be an integer >= 1"),
         (["training.micro_batch_size=0"], 2, "training.micro_batch_size = 0: must be >= 1"),
     ],
@@ -166,3 +173,24 @@ def test_autotune_flags_parse_back_to_the_options_in_megatrons_parser(tmp_path):
     want = {f: cfg.tp_overlap[f] for f in TuneOptions.__dataclass_fields__}
     assert vars(options_from_args(args)) == {**want, "output": str(tmp_path / "tp_comm_overlap_tuned.yaml")}
     assert options_from_args(args) != TuneOptions()  # the test would pass vacuously on defaults
+
+
+def test_the_run_records_which_model_the_dimensions_came_from(tmp_path):
+    import json
+    import shutil
+    from pathlib import Path
+
+    from megatron_tp_overlap.app.config import model_provenance
+    from megatron_tp_overlap.app.train import model_line, summarize
+
+    model = model_provenance(compose(["model.hf=Qwen/Qwen3-4B", "model.num_layers=2"]).model)
+    assert model["hf"] == "Qwen/Qwen3-4B" and model["source"] == "shipped"
+    assert model["overridden"] == {"num_layers": {"given": 2, "model": 36}} and model["dims"]["hidden_size"] == 2560
+    line = model_line(model)
+    assert "Qwen/Qwen3-4B (dimensions from shipped)" in line and "num_layers=2 (model: 36)" in line
+    (tmp_path / "model.json").write_text(json.dumps(model))
+    results = Path(__file__).parents[1] / "benchmarks" / "results" / "2026-11-21_h200x4"
+    shutil.copy(results / "engine_tp4_tuning_report.json", tmp_path / "tuned.report.json")
+    summarize(tmp_path, tmp_path / "tuned.yaml")
+    assert json.loads((tmp_path / "tuned.report.json").read_text())["model"]["source"] == "shipped"
+    assert (tmp_path / "tp_overlap.png").stat().st_size > 0

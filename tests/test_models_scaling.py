@@ -1,6 +1,6 @@
 import pytest
 
-from megatron_tp_overlap.models import load_model_dims, shipped_models
+from megatron_tp_overlap.models import SHIPPED, load_model_dims, shipped_models
 from megatron_tp_overlap.tools.scaling import scaling_report
 
 pytest.importorskip("transformers")
@@ -44,12 +44,62 @@ def test_local_directory(tmp_path):
         '"num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 100}'
     )
     d = load_model_dims(str(tmp_path))
-    assert (d.hidden, d.kv_heads, d.head_dim) == (256, 4, 64)
+    assert (d.hidden, d.kv_heads, d.head_dim, d.source) == (256, 4, 64, "local directory")
 
 
 def test_unknown_model_is_a_clear_error():
-    with pytest.raises(ValueError, match="looked in a local directory, the models shipped.*Qwen/Qwen3-8B"):
+    with pytest.raises(
+        ValueError, match="looked in a local directory, the Hugging Face cache and the models shipped.*Qwen/Qwen3-8B"
+    ):
         load_model_dims("acme/NotAModel-7B")
+
+
+class FakeHub:
+    """``AutoConfig.from_pretrained`` with a mocked hub and cache; local paths load for real."""
+
+    def __init__(self, monkeypatch, hub=None, cache=None):
+        from transformers import AutoConfig
+
+        real = AutoConfig.from_pretrained
+        self.calls = []
+
+        def from_pretrained(name, local_files_only=False, **kw):
+            self.calls.append((name, local_files_only))
+            if "/" in name and name.startswith(("/", ".")):
+                return real(name, local_files_only=True, **kw)
+            found = cache if local_files_only else hub
+            if found is None:
+                raise OSError("not reachable / not cached")
+            cfg = real(str(SHIPPED / "Qwen/Qwen3-4B"), local_files_only=True)
+            cfg.hidden_size, cfg._commit_hash = found
+            return cfg
+
+        monkeypatch.setattr(AutoConfig, "from_pretrained", from_pretrained)
+        monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+
+
+def test_the_hub_answers_first_when_reachable_and_its_revision_is_recorded(monkeypatch):
+    FakeHub(monkeypatch, hub=(1234, "abc123"), cache=(999, "old"))
+    d = load_model_dims("Qwen/Qwen3-4B")  # also shipped: the hub's config wins
+    assert (d.hidden, d.source) == (1234, "hub@abc123")
+
+
+def test_the_cache_answers_when_the_hub_is_unreachable(monkeypatch):
+    FakeHub(monkeypatch, hub=None, cache=(999, "c0ffee"))
+    assert load_model_dims("acme/Private-7B").source == "HF cache@c0ffee"
+
+
+def test_shipped_configs_are_the_last_resort(monkeypatch):
+    hub = FakeHub(monkeypatch)
+    d = load_model_dims("Qwen/Qwen3-8B")
+    assert d.source == "shipped" and d.hidden == 4096
+    assert [c[1] for c in hub.calls[:2]] == [False, True]  # hub, then cache, before the shipped file
+
+
+def test_hub_offline_skips_the_hub(monkeypatch):
+    hub = FakeHub(monkeypatch, hub=(1234, "abc"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert load_model_dims("Qwen/Qwen3-8B").source == "shipped" and all(c[1] for c in hub.calls)
 
 
 def test_scaling_recommends_the_largest_efficient_tp():

@@ -89,6 +89,13 @@ def _fields(cls: Any) -> dict[str, Any]:
 GROUPS: dict[str, Any] = _fields(AppConfig)  # group name -> its dataclass
 
 
+def with_model_group(overrides: list[str]) -> list[str]:
+    """``model.hf=X`` alone means "this model": the ``hf`` model group (not the default model's dimensions with X's
+    name), unless a model group was chosen too."""
+    keys = [o.split("=", 1)[0].lstrip("+") for o in overrides if "=" in o]
+    return ["model=hf", *overrides] if "model.hf" in keys and "model" not in keys else list(overrides)
+
+
 def check_overrides(overrides: list[str]) -> list[str]:
     """Problems with Hydra command-line overrides, each naming the valid keys or choices."""
     problems = []
@@ -129,26 +136,38 @@ def _key_problems(key: str, parts: list[str]) -> list[str]:
     return []
 
 
+def model_provenance(m: Any) -> dict[str, Any]:
+    """Where ``m``'s dimensions come from: the ``hf`` model and its source (hub revision, cache, shipped, local
+    directory), every dimension, and the ones the config gives over the model's (e.g. fewer layers for a proxy run)."""
+    given = {f.name: getattr(m, f.name) for f in dataclasses.fields(ModelConfig)}
+    if not m.hf:
+        return {"hf": None, "source": "the config", "dims": given, "overridden": {}}
+    from megatron_tp_overlap.models import load_model_dims
+
+    d = load_model_dims(m.hf)
+    derived = dict(
+        name=m.hf,
+        num_layers=d.layers,
+        hidden_size=d.hidden,
+        ffn_hidden_size=d.ffn,
+        num_attention_heads=d.heads,
+        num_query_groups=d.kv_heads,
+        kv_channels=d.head_dim,
+        vocab_size=d.vocab,
+        swiglu=d.gated_mlp,
+    )
+    overridden = {
+        k: {"given": v, "model": derived[k]}
+        for k, v in given.items()
+        if v is not None and k in derived and k != "name" and v != derived[k]
+    }
+    dims = {k: (v if v is not None else derived.get(k)) for k, v in given.items()}
+    return {"hf": m.hf, "source": d.source, "dims": dims, "overridden": overridden}
+
+
 def resolve_model(m: Any) -> ModelConfig:
     """``m`` with every dimension filled: the given values, the rest from ``m.hf``'s config (models.load_model_dims)."""
-    given = {f.name: getattr(m, f.name) for f in dataclasses.fields(ModelConfig)}
-    if m.hf:
-        from megatron_tp_overlap.models import load_model_dims
-
-        d = load_model_dims(m.hf)
-        derived = dict(
-            name=m.hf,
-            num_layers=d.layers,
-            hidden_size=d.hidden,
-            ffn_hidden_size=d.ffn,
-            num_attention_heads=d.heads,
-            num_query_groups=d.kv_heads,
-            kv_channels=d.head_dim,
-            vocab_size=d.vocab,
-            swiglu=d.gated_mlp,
-        )
-        given = {k: (v if v is not None else derived.get(k)) for k, v in given.items()}
-    return ModelConfig(**given)
+    return ModelConfig(**model_provenance(m)["dims"])
 
 
 REQUIRED_DIMS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "vocab_size")

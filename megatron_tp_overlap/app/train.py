@@ -17,7 +17,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from megatron_tp_overlap.app.config import CONF_DIR, check_overrides, register, resolve_model, validate
+from megatron_tp_overlap.app.config import (
+    CONF_DIR,
+    check_overrides,
+    model_provenance,
+    register,
+    resolve_model,
+    validate,
+    with_model_group,
+)
 from megatron_tp_overlap.engine.options import TUNED_YAML_NAME, option_fields
 from megatron_tp_overlap.errors import refuse
 
@@ -33,7 +41,7 @@ def compose(overrides: list[str] | None = None) -> Any:
     register()
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        return hydra_compose(config_name="config", overrides=list(overrides or []))
+        return hydra_compose(config_name="config", overrides=with_model_group(list(overrides or [])))
 
 
 def agree_run_dir(root: str, name: str | None, group: Any = None) -> Path:
@@ -149,16 +157,35 @@ def iteration_times(run_dir: Path) -> list[float]:
     return [1e3 * (b - a) for a, b in zip(t, t[1:])]
 
 
+def model_line(model: dict[str, Any]) -> str:
+    """One log line: which model the dimensions came from, and what the config changed of it."""
+    d = model["dims"]
+    line = (
+        f"model {model['hf'] or d['name']} (dimensions from {model['source']}): {d['num_layers']} layers, hidden "
+        f"{d['hidden_size']}, ffn {d['ffn_hidden_size']}, {d['num_attention_heads']} heads / "
+        f"{d['num_query_groups'] or d['num_attention_heads']} KV"
+    )
+    if model["overridden"]:
+        line += "; given instead of the model's: " + ", ".join(
+            f"{k}={v['given']} (model: {v['model']})" for k, v in model["overridden"].items()
+        )
+    return line
+
+
 def summarize(run_dir: Path, tuned_yaml: Path) -> None:
-    """Rank 0, after training: the plot of the tuning report and step times, and a last line."""
+    """Rank 0, after training: the model record in the tuning report, the plot of the report and step times, and a
+    last line."""
     step_ms = iteration_times(run_dir)
     report = tuned_yaml.with_suffix(".report.json")
     if report.exists():
+        from megatron_tp_overlap.atomic import atomic_write_text
+
+        data = json.loads(report.read_text())
+        data["model"] = json.loads((run_dir / "model.json").read_text())
+        atomic_write_text(report, json.dumps(data, indent=1, default=str) + "\n")
         from megatron_tp_overlap.tools.plots import plot_report
 
-        print(
-            f"{TAG} plot: {plot_report(json.loads(report.read_text()), run_dir / 'tp_overlap.png', step_ms=step_ms[1:])}"
-        )
+        print(f"{TAG} plot: {plot_report(data, run_dir / 'tp_overlap.png', step_ms=step_ms[1:])}")
     if step_ms:
         tail = sorted(step_ms[len(step_ms) // 5 :])
         print(
@@ -185,9 +212,12 @@ def run(cfg: Any) -> None:
     log_file = open(run_dir / f"log.rank{rank}.txt", "a")
     sys.stdout = _Tee(sys.__stdout__, log_file)  # type: ignore[assignment]
     flags, what = overlap_flags(cfg, run_dir)
+    model = model_provenance(cfg.model)
     if rank == 0:
         OmegaConf.save(cfg, run_dir / "config.yaml")
+        (run_dir / "model.json").write_text(json.dumps(model, indent=1) + "\n")
         print(f"{TAG} run directory {run_dir}; {what}", flush=True)
+        print(f"{TAG} {model_line(model)}", flush=True)
 
     from megatron_tp_overlap.integrations.megatron.gpt import main as megatron_main
 
@@ -205,6 +235,7 @@ def main() -> None:
         refuse("megatron_tp_overlap.train: invalid overrides:\n" + "\n".join(f"  - {p}" for p in problems))
     import hydra
 
+    sys.argv = [sys.argv[0], *with_model_group(sys.argv[1:])]
     register()
     hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)(run)()
 
