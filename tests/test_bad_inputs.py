@@ -455,6 +455,18 @@ CATALOG: list[tuple[str, Callable[[], str], tuple[str, ...]]] = [
     ),
     ("megatron: -m megatron_tp_overlap.run without Megatron", lambda: run_without_megatron(), ("needs Megatron-LM",)),
     (
+        "megatron: full recompute",
+        lambda: megatron_error(recompute_granularity="full"),
+        ("--recompute-granularity full",),
+    ),
+    (
+        "megatron: selective recompute of the MLP",
+        lambda: megatron_error(recompute_granularity="selective", recompute_modules=["core_attn", "mlp"]),
+        ("--recompute-modules core_attn mlp", "count twice"),
+    ),
+    ("megatron: mixture of experts", lambda: megatron_error(num_experts=8), ("--num-experts 8", "not supported yet")),
+    ("megatron: CUDA graphs", lambda: megatron_error(cuda_graph_impl="local"), ("--cuda-graph-impl local",)),
+    (
         "cli sweep: malformed local config.json",
         lambda: cli_error("sweep", "--model", str(Path(yaml_file("{bad", "config.json")).parent), "--out", "{tmp}"),
         ("config.json is not a readable model config",),

@@ -411,3 +411,19 @@ def test_output_problems_name_a_directory_and_an_unwritable_place(tmp_path):
     (p,) = output_problems(Path(__file__) / "x.yaml", "--tp-comm-overlap-autotune-output")
     assert "cannot write the tuned YAML there" in p and "is not a folder" in p
     assert output_problems(tmp_path / "new" / "x.yaml", "o") == []
+
+
+def test_selective_recompute_of_the_attention_core_alone_is_accepted(tmp_path):
+    out = str(tmp_path / "x.yaml")
+    assert (
+        check_arguments(
+            ns(recompute_granularity="selective", recompute_modules=None, tp_comm_overlap_autotune_output=out)
+        )
+        == []
+    )
+    assert (
+        check_arguments(
+            ns(recompute_granularity="selective", recompute_modules=["core_attn"], tp_comm_overlap_autotune_output=out)
+        )
+        == []
+    )

@@ -18,6 +18,28 @@ def _bf16_edge_layers(c: Any) -> bool:
     )
 
 
+SAFE_RECOMPUTE = {"core_attn"}  # selective recompute of the attention core re-runs no overlapped GEMM
+
+
+def _recompute(c: Any) -> Optional[str]:
+    granularity = getattr(c, "recompute_granularity", None)
+    if granularity == "full":
+        return "--recompute-granularity full"
+    modules = set(getattr(c, "recompute_modules", None) or ["core_attn"])
+    if granularity == "selective" and modules - SAFE_RECOMPUTE:
+        return f"--recompute-modules {' '.join(sorted(modules))}"
+    return None
+
+
+def _cuda_graphs(c: Any) -> Optional[str]:
+    impl = getattr(c, "cuda_graph_impl", "none") or "none"
+    if impl != "none":
+        return f"--cuda-graph-impl {impl}"
+    if getattr(c, "enable_cuda_graph", False) or getattr(c, "external_cuda_graph", False):
+        return "--enable-cuda-graph / --external-cuda-graph"
+    return None
+
+
 @dataclass(frozen=True)
 class RunShape:
     """The parallel layout, GEMM shapes and precision of a run (what the tuned config depends on)."""
@@ -42,6 +64,9 @@ class RunShape:
     bootstrap_backend: str = "nccl"
     bf16_edge_layers: bool = False  # FP8 run with its first/last layers in bf16: a second userbuffers mode
     decoder_seq_length: Optional[int] = None
+    recompute: Optional[str] = None  # what activation recompute re-runs, when it re-runs an overlapped GEMM
+    moe_experts: Optional[int] = None
+    cuda_graphs: Optional[str] = None  # Megatron's CUDA graph mode, when on
 
     @staticmethod
     def from_args(args: argparse.Namespace) -> RunShape:
@@ -68,6 +93,9 @@ class RunShape:
             bootstrap_backend=getattr(args, "tp_comm_bootstrap_backend", None) or "nccl",
             bf16_edge_layers=edge,
             decoder_seq_length=args.decoder_seq_length if getattr(args, "decoder_tp_comm_overlap", False) else None,
+            recompute=_recompute(args),
+            moe_experts=getattr(args, "num_experts", None),
+            cuda_graphs=_cuda_graphs(args),
         )
 
     @staticmethod
@@ -93,6 +121,9 @@ class RunShape:
             rs_dgrad=bool(getattr(m, "tp_comm_overlap_rs_dgrad", False)),
             bootstrap_backend=bootstrap_backend or getattr(m, "tp_comm_bootstrap_backend", None) or "nccl",
             bf16_edge_layers=edge,
+            recompute=_recompute(m),
+            moe_experts=getattr(m, "num_moe_experts", None),
+            cuda_graphs=_cuda_graphs(m),
         )
 
     @property
@@ -122,6 +153,21 @@ class RunShape:
             p.append(
                 "needs Transformer Engine (pip install transformer-engine[pytorch]) and "
                 "--transformer-impl transformer_engine"
+            )
+        if self.recompute:
+            p.append(
+                f"activation recompute ({self.recompute}) re-runs the forward of overlapped GEMMs, which the "
+                "per-module timing would count twice: tune without it (the tuned YAML applies to the run with it)"
+            )
+        if self.moe_experts:
+            p.append(
+                f"mixture-of-experts (--num-experts {self.moe_experts}) is not supported yet: its expert GEMMs "
+                "are not userbuffers GEMMs and its layers differ from the dense ones"
+            )
+        if self.cuda_graphs:
+            p.append(
+                f"CUDA graphs ({self.cuda_graphs}) capture the userbuffers of one config; switching configs "
+                "live cannot run under them: tune without them"
             )
         if self.fp16:
             p.append(
