@@ -427,3 +427,15 @@ def test_selective_recompute_of_the_attention_core_alone_is_accepted(tmp_path):
         )
         == []
     )
+
+
+def test_sigterm_during_tuning_interrupts_like_ctrl_c_and_the_handler_comes_back():
+    import os
+    import signal
+
+    from megatron_tp_overlap.integrations.megatron.tuning import interrupt_on_sigterm
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt, match=f"signal {int(signal.SIGTERM)}"), interrupt_on_sigterm():
+        os.kill(os.getpid(), signal.SIGTERM)
+    assert signal.getsignal(signal.SIGTERM) == before

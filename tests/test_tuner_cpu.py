@@ -272,3 +272,45 @@ def test_the_moved_reference_must_pass_the_numerics_check(fake_te):
     assert moved.get("qkv_dgrad") == second.cfg and moved.dgrad_is_reduce_scatter("qkv_dgrad")
     assert any(f"qkv_dgrad: {first.label} left out as the starting point" in m for m in logs)
     assert tuner.numerics["reference config"] < 0.1  # calibrated on the given reference, not the wrong one
+
+
+def _stage_main(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    """TP=2 x PP=2 with unequal stages: ranks 2 and 3 hold attention modules only."""
+    from megatron_tp_overlap.engine.tuner import TopologyMismatch
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    te = fakes.FakeTE()
+    fakes.STATE = te
+    ub_runtime._te_base = lambda: te
+    tuner, model = make_tuner()
+    if rank >= 2:
+        attention_only = torch.nn.Sequential(fakes.LayerNormLinear(8, "qkv"), fakes.Linear(8, "proj"))
+        tuner = Autotuner(
+            attention_only,
+            lambda: None,
+            fakes.fake_init_args(),
+            event_factory=fakes.SimEvent,
+            timing_device="cpu",
+            clock=fakes.CLOCK.seconds,
+            log=lambda *a: None,
+        )
+    try:
+        tuner.tune()
+        outcome = "tuned"
+    except TopologyMismatch as e:
+        outcome = str(e)
+    with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
+        f.write(f"{outcome}\n{len(te.calls)}")
+    dist.destroy_process_group()
+
+
+def test_ranks_holding_different_modules_are_refused_together_before_any_trial(tmp_path):
+    mp.start_processes(
+        _stage_main, args=(4, str(tmp_path / "init"), str(tmp_path)), nprocs=4, join=True, start_method="spawn"
+    )
+    outcomes = [(tmp_path / f"rank{r}.txt").read_text().split("\n") for r in range(4)]
+    assert len({o[0] for o in outcomes}) == 1  # the same error on every rank
+    message = outcomes[0][0]
+    assert "ranks 0, 1: modules qkv(column), proj(row), fc1(column), fc2(row)" in message
+    assert "ranks 2, 3: modules qkv(column), proj(row)" in message
+    assert all(o[1] == "0" for o in outcomes)  # no rank switched userbuffers configs: refused before any trial

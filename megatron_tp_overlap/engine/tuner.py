@@ -54,6 +54,10 @@ def device_sm_count() -> int | None:
     )
 
 
+class TopologyMismatch(RuntimeError):
+    """The ranks would search different topologies or spaces; raised on every rank together, before any trial."""
+
+
 @dataclass
 class TuneResult:
     best: TuningConfig
@@ -122,6 +126,36 @@ class Autotuner:
 
         if dist.is_available() and dist.is_initialized():
             dist.barrier(group=self.group)
+
+    def _agree_on_the_search(self, space: dict[str, list[Option]]) -> None:
+        """Every rank must search the same topology and space (each trial's collectives have its size): ranks
+        holding different modules (a pipeline stage without some of them) are refused together, naming them."""
+        import hashlib
+        import json
+
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(self.group) == 1:
+            return
+        what = {
+            "kinds": self.topology.kinds,
+            "active": sorted(self.topology.active),
+            "space": {g: [o.label for o in opts] for g, opts in space.items()},
+        }
+        digest = hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:12]
+        digests: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(
+            digests, (digest, ", ".join(f"{n}({k})" for n, k in self.topology.kinds)), group=self.group
+        )
+        if len({d for d, _ in digests}) > 1:
+            by = {}
+            for rank, (d, kinds) in enumerate(digests):
+                by.setdefault((d, kinds), []).append(rank)
+            groups = "; ".join(f"ranks {', '.join(map(str, r))}: modules {k}" for (_, k), r in by.items())
+            raise TopologyMismatch(
+                f"the ranks hold different TP-overlap modules or search spaces ({groups}); tune "
+                "where every rank holds the same layer kinds (e.g. equal pipeline stages)"
+            )
 
     def _fault(self, kind: str, config: TuningConfig) -> bool:
         import torch.distributed as dist
@@ -318,6 +352,7 @@ class Autotuner:
         space = build_space(self.topology, self.ctx, [self.reference, *priors], self.space_spec)
         if self.gemms is not None:
             space = {g: v for g, v in space.items() if g in self.gemms}
+        self._agree_on_the_search(space)
         given = self.reference
         self.reference = self.in_dgrad_mode(given, space)
         if self.reference != given:

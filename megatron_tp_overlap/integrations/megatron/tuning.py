@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager as ContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -194,7 +194,7 @@ def _search(
     from megatron_tp_overlap.engine.progress import TuningProgress
     from megatron_tp_overlap.engine.search import SearchOptions, TrialFailed
     from megatron_tp_overlap.engine.space import SpaceSpec
-    from megatron_tp_overlap.engine.tuner import Autotuner
+    from megatron_tp_overlap.engine.tuner import Autotuner, TopologyMismatch
 
     # Megatron builds every qkv/fc1 layer with bulk dgrad, or with GEMM+reduce-scatter dgrad under
     # --tp-comm-overlap-rs-dgrad; the YAML cannot change that, so the search keeps to the run's mode
@@ -217,8 +217,14 @@ def _search(
     )
     steps.zero()
     try:
-        with trial_context(), progress:
+        with trial_context(), progress, interrupt_on_sigterm():
             return tuner.tune()
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM from torchrun / the scheduler
+        log(f"{TAG} tuning interrupted: nothing written (an existing YAML, report and cache entry are as they were)")
+        raise
+    except TopologyMismatch as e:  # before any trial, on every rank: the starting config is still live
+        log(f"{TAG} WARNING cannot tune this layout: {e}; training with the starting config")
+        return None
     except TrialFailed as e:  # raised on every rank together: the run trains on with its own config
         log(f"{TAG} WARNING tuning failed ({e}); training with the starting config")
         tuner.switcher.apply(TuningConfig(reference, frozenset(), "reference"))
@@ -226,6 +232,27 @@ def _search(
     finally:
         steps.zero()
         steps.snapshot.restore()
+
+
+@contextlib.contextmanager
+def interrupt_on_sigterm() -> Iterator[None]:
+    """SIGTERM raises KeyboardInterrupt inside the block (as Ctrl-C does), so tuning stops where Python can clean up
+    (temporary files, a message) instead of dying mid-write; the previous handler is back afterwards."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():  # signal handlers live in the main thread
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _reuse(
