@@ -104,7 +104,13 @@ class Autotuner:
 
     def __post_init__(self) -> None:
         self.modules: list[OverlapModule] = find_overlap_modules(self.model)
-        self.topology = build_topology(self.modules)
+        try:
+            self.topology = build_topology(self.modules)
+        except ValueError:
+            if not self._distributed():
+                raise
+            # a rank without overlap modules (a pipeline stage) must still join the agreement, or the others wait
+            self.topology = Topology(kinds=(), active=frozenset(), layers=0)
         self.ctx = ValidationContext(
             fp8=self.init_args.fp8,
             sm_count=device_sm_count(),
@@ -127,6 +133,11 @@ class Autotuner:
         if dist.is_available() and dist.is_initialized():
             dist.barrier(group=self.group)
 
+    def _distributed(self) -> bool:
+        import torch.distributed as dist
+
+        return dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1
+
     def _agree_on_the_search(self, space: dict[str, list[Option]]) -> None:
         """Every rank must search the same topology and space (each trial's collectives have its size): ranks
         holding different modules (a pipeline stage without some of them) are refused together, naming them."""
@@ -135,7 +146,7 @@ class Autotuner:
 
         import torch.distributed as dist
 
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(self.group) == 1:
+        if not self._distributed():
             return
         what = {
             "kinds": self.topology.kinds,
@@ -144,9 +155,8 @@ class Autotuner:
         }
         digest = hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:12]
         digests: list[Any] = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(
-            digests, (digest, ", ".join(f"{n}({k})" for n, k in self.topology.kinds)), group=self.group
-        )
+        kinds = ", ".join(f"{n}({k})" for n, k in self.topology.kinds) or "none"
+        dist.all_gather_object(digests, (digest, kinds), group=self.group)
         if len({d for d, _ in digests}) > 1:
             by = {}
             for rank, (d, kinds) in enumerate(digests):
