@@ -25,7 +25,8 @@ MEGATRON_ARGS = (
     "--sequence-parallel --num-layers 2 --hidden-size 1024 --ffn-hidden-size 4096 --num-attention-heads 8 "
     "--seq-length 1024 --max-position-embeddings 1024 --micro-batch-size 1 --global-batch-size 2 --train-iters 5 "
     "--lr 1e-4 --bf16 --mock-data --tokenizer-type NullTokenizer --vocab-size 32000 --transformer-impl "
-    "transformer_engine --no-gradient-accumulation-fusion --tp-comm-overlap --tp-comm-overlap-autotune"
+    "transformer_engine --no-gradient-accumulation-fusion --eval-iters 0 --eval-interval 1000000 --log-interval 1 "
+    "--tp-comm-overlap --tp-comm-overlap-autotune"
 ).split()
 OURS = (
     "megatron-tp-overlap",
@@ -44,6 +45,7 @@ def main() -> int:
     p.add_argument("--megatron-lm", required=True)
     p.add_argument("--gpus", type=int, default=2)
     p.add_argument("--out", required=True)
+    p.add_argument("--only", default="", help="comma list of case names (default: all)")
     a = p.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -83,6 +85,8 @@ def main() -> int:
     }
     results = {}
     for name, cmd in cases.items():
+        if a.only and name not in a.only.split(","):
+            continue
         t0 = time.time()
         if name == "killed_mid_tuning":  # SIGTERM once tuning has run for a while
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
