@@ -435,7 +435,8 @@ def test_sigterm_during_tuning_interrupts_like_ctrl_c_and_the_handler_comes_back
 
     from megatron_tp_overlap.integrations.megatron.tuning import interrupt_on_sigterm
 
-    before = signal.getsignal(signal.SIGTERM)
-    with pytest.raises(KeyboardInterrupt, match=f"signal {int(signal.SIGTERM)}"), interrupt_on_sigterm():
+    before, seen = signal.getsignal(signal.SIGTERM), []
+    with pytest.raises(KeyboardInterrupt, match=f"signal {int(signal.SIGTERM)}"), interrupt_on_sigterm(seen):
         os.kill(os.getpid(), signal.SIGTERM)
+    assert seen == [signal.SIGTERM]
     assert signal.getsignal(signal.SIGTERM) == before

@@ -216,11 +216,17 @@ def _search(
         trial_timeout_s=options.trial_timeout,
     )
     steps.zero()
+    signals: list[int] = []
     try:
-        with trial_context(), progress, interrupt_on_sigterm():
+        with trial_context(), progress, interrupt_on_sigterm(signals):
             return tuner.tune()
-    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM from torchrun / the scheduler
-        log(f"{TAG} tuning interrupted: nothing written (an existing YAML, report and cache entry are as they were)")
+    except BaseException as e:
+        # Ctrl-C, or SIGTERM from torchrun / the scheduler (whose other handlers, e.g. a DataLoader's, may replace
+        # the KeyboardInterrupt on the way out)
+        if isinstance(e, KeyboardInterrupt) or signals:
+            log(
+                f"{TAG} tuning interrupted: nothing written (an existing YAML, report and cache entry are as they were)"
+            )
         raise
     except TopologyMismatch as e:  # before any trial, on every rank: the starting config is still live
         log(f"{TAG} WARNING cannot tune this layout: {e}; training with the starting config")
@@ -235,9 +241,10 @@ def _search(
 
 
 @contextlib.contextmanager
-def interrupt_on_sigterm() -> Iterator[None]:
+def interrupt_on_sigterm(seen: list[int] | None = None) -> Iterator[None]:
     """SIGTERM raises KeyboardInterrupt inside the block (as Ctrl-C does), so tuning stops where Python can clean up
-    (temporary files, a message) instead of dying mid-write; the previous handler is back afterwards."""
+    (temporary files, a message) instead of dying mid-write; ``seen`` records the signal; the previous handler is
+    back afterwards."""
     import signal
     import threading
 
@@ -246,6 +253,8 @@ def interrupt_on_sigterm() -> Iterator[None]:
         return
 
     def handler(signum: int, frame: Any) -> None:
+        if seen is not None:
+            seen.append(signum)
         raise KeyboardInterrupt(f"signal {signum}")
 
     previous = signal.signal(signal.SIGTERM, handler)
