@@ -46,11 +46,11 @@ def slot_exhaustive(searcher: Searcher, reference: TuningConfig, baselines: dict
             f"slot-exhaustive search over {total} combinations exceeds max_exhaustive x 8; narrow the space"
         )
     searcher.planned_trials = (
-        1 + max((len(v) for v in combos.values()), default=0) + o.confirm_rounds * (len(baselines) + 2)
+        1 + max((len(v) for v in combos.values()), default=0) + 2 * (len(baselines) + 2) + 3 * o.min_quads
     )
     contenders = {"reference": reference, **baselines}
-    confirm_cost = (len(contenders) + 1) * o.confirm_rounds * (o.confirm_steps + o.warmup_steps)
     searcher._run("baseline", reference, {"*": "incumbent"}, o.screen_steps * 2)
+    confirm_cost = searcher.plan_decision(len(contenders) + 1)
     scores: dict[tuple[str, tuple[Option, ...]], list[float]] = {}
     for r in range(max((len(v) for v in combos.values()), default=0)):
         if not searcher._can_afford(o.screen_steps, reserve_steps=confirm_cost):
@@ -111,8 +111,11 @@ def exhaustive(searcher: Searcher, reference: TuningConfig, baselines: dict[str,
         )
     searcher.planned_trials = len(configs)
     best, best_t = reference, math.inf
+    reserve = 0
     for i, c in enumerate(configs):
-        if not searcher._can_afford(o.screen_steps):
+        if i == 1:
+            reserve = searcher.plan_decision(len(baselines) + 2)
+        if not searcher._can_afford(o.screen_steps, reserve_steps=reserve):
             break
         t = searcher._run("exhaustive", c, {"*": f"combination {i}"}, o.screen_steps)
         if t.step_ms is not None and t.step_ms < best_t:

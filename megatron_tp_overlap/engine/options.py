@@ -51,6 +51,13 @@ class TuneOptions:
         max=0.5,
     )
     trial_timeout: float = _opt(120.0, "Seconds: a candidate whose trial takes longer is rejected.")
+    verify_iters: int = _opt(
+        24,
+        "Training iterations after tuning that alternate the tuned config and the starting one (ABBA, at least 24) "
+        "to measure the gain in this run with a 95% interval; if it is not faster beyond it, the run goes back to "
+        "the starting config and rewrites the YAML. 0: off.",
+        min=0,
+    )
 
     def problems(self, name: Callable[[str], str] = lambda k: k) -> list[str]:
         """Every broken rule, each naming the option as the user typed it (``name(field)``)."""
@@ -64,8 +71,10 @@ class TuneOptions:
                 )
             elif numeric and (isinstance(v, bool) or not isinstance(v, (int, float))):
                 p.append(f"{n} = {v!r}: must be a number")
-            elif f.type == "int" and v < 1:
-                p.append(f"{n} = {v}: must be >= 1")
+            elif f.type == "int" and v < f.metadata.get("min", 1):
+                p.append(f"{n} = {v}: must be >= {f.metadata.get('min', 1)}")
+            elif f.type == "int":
+                pass
             elif numeric and not (math.isfinite(v) and v > 0):
                 p.append(f"{n} = {v}: must be a finite number > 0")
             elif "max" in f.metadata and v > f.metadata["max"]:

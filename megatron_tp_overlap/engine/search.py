@@ -15,11 +15,13 @@ baselines, interleaved, and kept only if it wins by more than the noise.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Callable
 
+from megatron_tp_overlap.engine import paired
 from megatron_tp_overlap.engine.space import Option, TuningConfig, apply, is_valid
-from megatron_tp_overlap.engine.stats import pooled_sigma, rotated, significant_gain
+from megatron_tp_overlap.engine.stats import pooled_sigma, rotated, significant_gain  # noqa: F401
 from megatron_tp_overlap.engine.topology import Topology
 from megatron_tp_overlap.engine.trial import (  # noqa: F401
     Contender,
@@ -44,6 +46,7 @@ class Searcher:
         options: SearchOptions | None = None,
         progress: Callable[[Trial, Searcher], None] | None = None,
         verify: Verify | None = None,
+        elapsed: Callable[[], float] | None = None,
     ):
         self.topo, self.space, self.evaluate, self.ctx, self.opt = (
             topo,
@@ -53,6 +56,7 @@ class Searcher:
             options or SearchOptions(),
         )
         self.verify = verify
+        self.elapsed = elapsed  # the agreed wall seconds so far, when work outside trials (numerics) took time
         self.verified: dict[TuningConfig, str | None] = {}
         self.progress = progress
         self.trials: list[Trial] = []
@@ -60,36 +64,44 @@ class Searcher:
         self.elapsed_s = 0.0
         self.budget_hit = False
         self.planned_trials = 0
+        self.block_steps = self.opt.block_steps  # of the final decision (plan_decision may shrink it)
 
     def _verify(self, config: TuningConfig) -> str | None:
         if self.verify is None:
             return None
         if config not in self.verified:
             self.verified[config] = self.verify(config)
+            if self.elapsed is not None:
+                self.elapsed_s = max(self.elapsed_s, self.elapsed())
         return self.verified[config]
 
     # -- budget ---------------------------------------------------------------------------------
     def _can_afford(self, steps: int, reserve_steps: int = 0, reserve_s: float = 0.0) -> bool:
+        """Whether a trial of ``steps`` (+ warm-up) fits, keeping ``reserve_steps`` for later phases and the
+        cost of one more step for the final switch. Seconds per step are measured, switches included: the
+        budget is a hard cap on the trials."""
         n = self.steps_run + steps + self.opt.warmup_steps + reserve_steps
         per_step = self.elapsed_s / self.steps_run if self.steps_run else 0.0
-        ok = (
-            n <= self.opt.max_steps
-            and self.elapsed_s + per_step * (steps + self.opt.warmup_steps) + reserve_s <= self.opt.max_seconds
-        )
+        cost = per_step * (steps + self.opt.warmup_steps + reserve_steps + 1) + reserve_s
+        ok = n <= self.opt.max_steps and self.elapsed_s + cost <= self.opt.max_seconds
         if not ok:
             self.budget_hit = True
         return ok
 
-    def _run(self, phase: str, config: TuningConfig, tested: dict[str, str], steps: int) -> Trial:
-        t = Trial(len(self.trials), phase, config, tested)
+    def _run(
+        self, phase: str, config: TuningConfig, tested: dict[str, str], steps: int, warmup: int | None = None
+    ) -> Trial:
+        warmup = self.opt.warmup_steps if warmup is None else warmup
+        t = Trial(len(self.trials), phase, config, tested, position=float(self.steps_run + warmup))
         try:
-            m = self.evaluate(config, steps, self.opt.warmup_steps)
+            m = self.evaluate(config, steps, warmup)
         except TrialFailed as e:
             t.error = str(e)
-            self.steps_run += steps + self.opt.warmup_steps
+            self.steps_run += steps + warmup
         else:
             self.steps_run += m.steps_run
             self.elapsed_s = m.elapsed_s
+            t.slot_samples = {s: list(v) for s, v in m.slot_ms.items() if v and all(x == x for x in v)}
             t.slot_ms = {s: statistics.median(v) for s, v in m.slot_ms.items() if v}
             t.step_samples = list(m.step_ms)
             t.step_ms = statistics.median(m.step_ms) if m.step_ms else None
@@ -137,80 +149,115 @@ class Searcher:
         incumbent: TuningConfig,
         options: list[Option],
         steps: int,
-        samples: dict[Option, list[float]],
+        raw: dict[Option, list[tuple[Trial, list[float]]]],
         reserve: int,
     ) -> None:
+        """Measure ``options`` packed into trials of ``steps`` steps; the incumbent runs again (same steps)
+        after every ``bracket_every`` trials and once at the end, so that each option is compared with the
+        incumbent at the same moment (:meth:`_relative`). ``raw``: option -> [(trial, per-step score)]."""
+        o = self.opt
         queue = list(options)
         retry_alone: list[Option] = []
+        since = 0
+        bracket_cost = steps + o.warmup_steps
+
+        def record(t: Trial, taken: list[Option]) -> None:
+            for opt in taken:
+                score = self._score(t.slot_samples, self._slots_of(opt))
+                if score is not None:
+                    raw.setdefault(opt, []).append((t, score))
+
+        def run(config: TuningConfig, tested: dict[str, str]) -> Trial:
+            nonlocal since
+            t = self._run(phase, config, tested, steps)
+            since += 1
+            if since >= o.bracket_every:
+                self._run("bracket", incumbent, {"*": "incumbent"}, steps)
+                since = 0
+            return t
+
         while queue:
-            if not self._can_afford(steps, reserve_steps=reserve):
-                return
+            if not self._can_afford(steps, reserve_steps=reserve + 2 * bracket_cost):
+                break
             config, taken = self._pack(incumbent, queue)
             if not taken:
-                return
-            t = self._run(phase, config, {k: f"{o.gemm}: {o.label}" for k, o in taken.items()}, steps)
+                break
+            t = run(config, {k: f"{x.gemm}: {x.label}" for k, x in taken.items()})
             if t.error:
                 if len(taken) > 1:  # find the culprit: retry each option on its own
                     retry_alone += list(taken.values())
                 continue
-            per_slot = self._slot_samples[config]
-            for opt in taken.values():
-                score = self._score({s: per_slot[s][-steps:] for s in per_slot}, self._slots_of(opt))
-                if score is not None:
-                    samples.setdefault(opt, []).extend(score)
+            record(t, list(taken.values()))
         for opt in retry_alone:
-            if not self._can_afford(steps, reserve_steps=reserve):
-                return
-            config = apply(incumbent, opt, self.topo)
-            t = self._run(phase, config, {",".join(sorted(self._slots_of(opt))): f"{opt.gemm}: {opt.label}"}, steps)
+            if not self._can_afford(steps, reserve_steps=reserve + 2 * bracket_cost):
+                break
+            t = run(
+                apply(incumbent, opt, self.topo), {",".join(sorted(self._slots_of(opt))): f"{opt.gemm}: {opt.label}"}
+            )
             if not t.error:
-                per_slot = self._slot_samples[config]
-                score = self._score({s: per_slot[s][-steps:] for s in per_slot}, self._slots_of(opt))
-                if score is not None:
-                    samples.setdefault(opt, []).extend(score)
+                record(t, [opt])
+        if since:
+            self._run("bracket", incumbent, {"*": "incumbent"}, steps)
 
-    def _incumbent_scores(self, incumbent: TuningConfig, opt: Option) -> list[float]:
-        return self._score(self._slot_samples.get(incumbent, {}), self._slots_of(opt)) or []
+    def _incumbent_trials(self, incumbent: TuningConfig) -> list[Trial]:
+        return [t for t in self.trials if t.config == incumbent and t.phase in ("baseline", "bracket") and not t.error]
+
+    def _relative(self, incumbent: TuningConfig, opt: Option, entries: list[tuple[Trial, list[float]]]) -> list[float]:
+        """Per-step ms of ``opt``'s slots minus the incumbent's at the same moment (interpolated between the
+        incumbent trials around it): negative is faster; drift between trials cancels."""
+        slots = self._slots_of(opt)
+        track = self._track(
+            self._incumbent_trials(incumbent),
+            lambda t: statistics.median(v) if (v := self._score(t.slot_samples, slots)) else None,
+        )
+        return [v - track(t.position) for t, score in entries for v in score if track(t.position) == track(t.position)]
+
+    def _incumbent_level(self, incumbent: TuningConfig, opt: Option) -> float:
+        vals = [
+            v
+            for t in self._incumbent_trials(incumbent)
+            for v in (self._score(t.slot_samples, self._slots_of(opt)) or [])
+        ]
+        return statistics.median(vals) if vals else 0.0
 
     def coordinate(self, reference: TuningConfig, baselines: dict[str, TuningConfig]) -> SearchResult:
         self._slot_samples: dict[TuningConfig, dict[str, list[float]]] = {}
         o = self.opt
         contenders = {"reference": reference, **baselines}
-        confirm_cost = (len(contenders) + 1) * o.confirm_rounds * (o.confirm_steps + o.warmup_steps)
         incumbent = reference
         options = [
             opt for g, opts in self.space.items() for opt in opts if apply(incumbent, opt, self.topo) != incumbent
         ]
         per_slot = [sum(1 for x in options if self.topo.slot_of(x.gemm) == s) for s in self.topo.slots()]
         gemms_per_slot = max((len(g) for g in self.topo.slots().values()), default=1)
+        screens = max(per_slot, default=0) + o.keep * gemms_per_slot
         self.planned_trials = (
-            2 + max(per_slot, default=0) + o.keep * gemms_per_slot + o.confirm_rounds * (len(contenders) + 1)
+            2 + screens + screens // o.bracket_every + 2 * (len(contenders) + 1) + 3 * o.min_quads
         )  # an estimate, for progress bars
 
-        # 1. incumbent, then screening: every option once.
+        # 1. incumbent, then screening: every option once, the incumbent bracketing every few trials.
         self._run("baseline", incumbent, {"*": "incumbent"}, o.screen_steps * 2)
-        samples: dict[Option, list[float]] = {}
-        self._measure_options("screen", incumbent, options, o.screen_steps, samples, confirm_cost)
+        decision_cost = self.plan_decision(len(contenders) + 1)
+        raw: dict[Option, list[tuple[Trial, list[float]]]] = {}
+        self._measure_options("screen", incumbent, options, o.screen_steps, raw, decision_cost)
+        samples = {opt: self._relative(incumbent, opt, e) for opt, e in raw.items()}
 
-        # 2. successive halving: the best `keep` per GEMM (by screening) that look better than the
+        # 2. successive halving: the best `keep` per GEMM (by screening) that look faster than the
         #    incumbent are measured again; the decision uses only these fresh samples, so picking the
         #    luckiest of many noisy screenings (the winner's curse) does not decide by itself.
-        self._run("baseline", incumbent, {"*": "incumbent"}, o.halving_steps)
         survivors: list[Option] = []
         for gemm in self.space:
-            ranked = sorted((opt for opt in samples if opt.gemm == gemm), key=lambda x: statistics.median(samples[x]))
-            for opt in ranked[: o.keep]:
-                inc = self._incumbent_scores(incumbent, opt)
-                if inc and statistics.median(samples[opt]) < statistics.median(inc):
-                    survivors.append(opt)
-        fresh: dict[Option, list[float]] = {}
-        self._measure_options("halving", incumbent, survivors, o.halving_steps, fresh, confirm_cost)
+            ranked = sorted(
+                (opt for opt in samples if opt.gemm == gemm and samples[opt]),
+                key=lambda x: statistics.median(samples[x]),
+            )
+            survivors += [opt for opt in ranked[: o.keep] if statistics.median(samples[opt]) < 0]
+        raw_fresh: dict[Option, list[tuple[Trial, list[float]]]] = {}
+        self._measure_options("halving", incumbent, survivors, o.halving_steps, raw_fresh, decision_cost)
+        fresh = {opt: v for opt, e in raw_fresh.items() if (v := self._relative(incumbent, opt, e))}
 
-        # 3. per GEMM: the best survivor, kept if it beats the incumbent by more than the noise.
-        groups = [v for v in {**samples, **fresh}.values()] + [
-            v for d in self._slot_samples.values() for v in d.values()
-        ]
-        sigma = pooled_sigma(groups)
+        # 3. per GEMM: the best survivor, kept if it beats the incumbent (at the same moment) beyond the noise.
+        sigma = pooled_sigma([v for t in self.trials for v in t.slot_samples.values()])
         choices: dict[str, dict] = {}
         accepted_opts: dict[str, Option] = {}
         combined = incumbent
@@ -219,10 +266,12 @@ class Searcher:
             if not cands:
                 continue
             best = min(cands, key=lambda x: statistics.median(fresh[x]))
-            inc = self._incumbent_scores(incumbent, best)
-            if not inc:
-                continue
-            gain, thr = significant_gain(inc, fresh[best], sigma, o.z, o.rel_floor)
+            gain = -statistics.median(fresh[best])
+            n_inc = 2 * o.halving_steps  # the two incumbent trials around it
+            thr = max(
+                o.z * sigma * len(self._slots_of(best)) ** 0.5 * (1 / len(fresh[best]) + 1 / n_inc) ** 0.5,
+                o.rel_floor * self._incumbent_level(incumbent, best),
+            )
             accepted = gain > thr
             choices[gemm] = {
                 "option": best.label,
@@ -255,44 +304,83 @@ class Searcher:
         combined = TuningConfig(combined.ub, combined.disabled, "autotuned")
         return self._confirm(combined, contenders, choices)
 
+    # -- final decision: a selection round, then the reference against the selected config in ABBA blocks ----
     def _confirm(self, tuned: TuningConfig, baselines: dict[str, TuningConfig], choices: dict) -> SearchResult:
         o = self.opt
         cont: list[Contender] = [Contender(n, c) for n, c in baselines.items()]
         if all(tuned != c.config for c in cont):
             cont.insert(0, Contender(tuned.label or "autotuned", tuned))
-        for r in range(o.confirm_rounds):  # interleaved, so drift hits every contender alike
-            # rotated each round, so no contender is always measured right after the same one (a
-            # config switch can leave state behind that changes the next config's step time)
-            for c in rotated(cont, r):
-                if not self._can_afford(o.confirm_steps) and c.samples:
-                    continue
-                t = self._run("confirm", c.config, {"*": c.name}, o.confirm_steps)
-                c.samples.extend(t.step_samples)
-        measured = [c for c in cont if c.samples and c.name not in self.report_only]
-        if not measured:
-            raise TrialFailed("no config could be measured (every trial failed)")
-        sigma = pooled_sigma([t.step_samples for t in self.trials if t.phase == "confirm" and t.step_samples])
-        ref = next((c for c in measured if c.name == "reference"), measured[0])
-        # The reference stays unless another config beats it, and every other config, beyond the noise.
-        winner, reason, noise = ref, "no config beat the reference by more than the noise", 0.0
-        rejected = []
-        while True:
-            best = min(measured, key=lambda c: c.median)
-            bad = None if best is ref else self._verify(best.config)
-            if not bad:
+        ref = next((c for c in cont if c.name == "reference"), cont[0])
+        others = [c for c in cont if c is not ref]
+        # 1. selection: every contender once, the reference bracketing them (drift interpolated away)
+        sel: dict[str, float] = {}
+        plan: list[Contender] = [ref]
+        for i, c in enumerate(others):
+            plan.append(c)
+            if (i + 1) % o.bracket_every == 0 or i == len(others) - 1:
+                plan.append(ref)
+        for c in plan:
+            if ref.samples and not self._can_afford(self.block_steps, reserve_steps=self._abba_cost(o.min_quads)):
+                continue
+            self._decision_trial(c, self.block_steps, "select")
+        track = self._track([t for t in self.trials if t.phase == "select" and t.tested.get("*") == ref.name])
+        for c in others:
+            pts = [t for t in self.trials if t.phase == "select" and t.tested.get("*") == c.name and not t.error]
+            vals = [v - track(t.position) for t in pts if (v := self._slot_sum(t)) is not None]
+            if vals and track(0.0) == track(0.0):  # not NaN: the reference was measured
+                sel[c.name] = statistics.median(vals)  # ms over the reference at the same moment
+        if not ref.samples:
+            raise TrialFailed("the reference config could not be measured (every trial failed)")
+        rejected: list[str] = []
+        eligible = [c for c in others if c.name in sel and c.name not in self.report_only]
+        winner, reason, decision = ref, "no config was faster than the reference in the selection round", {}
+        while eligible:
+            best = min(eligible, key=lambda c: sel[c.name])
+            if sel[best.name] >= 0:
                 break
-            rejected.append(f"{best.name} rejected by the numerics check ({bad})")
-            measured.remove(best)
-        if best is not ref:
-            gain, thr = significant_gain(ref.samples, best.samples, sigma, o.z, o.rel_floor)
-            noise = thr
-            if gain > thr:
+            bad = self._verify(best.config)
+            if bad:
+                rejected.append(f"{best.name} rejected by the numerics check ({bad})")
+                eligible.remove(best)
+                continue
+            # 2. the reference against the selected config, in ABBA quadruples, until the interval decides
+            decision = self._abba(ref, best)
+            slot, step = decision["slot_interval"], decision["step_interval"]
+            ref_ms = decision["reference_step_ms"]
+            if slot.faster and not step.slower:
                 winner = best
-                reason = f"{best.name} beats the reference by {gain:.3f} ms/step (noise threshold {thr:.3f} ms)"
+                reason = (
+                    f"{best.name} beats the reference by {slot.describe(ref=ref_ms)} per step in the overlapped "
+                    f"layers; whole step {step.describe(ref=ref_ms)}"
+                )
+            elif slot.faster:
+                reason = (
+                    f"{best.name} is faster in the overlapped layers ({slot.describe(ref=ref_ms)}) but its whole step "
+                    f"is slower ({step.describe(ref=ref_ms)}): keeping the reference"
+                )
+            elif decision["error"]:
+                reason = f"{best.name} failed during the decision ({decision['error']}): keeping the reference"
+            elif decision["quadruples"] < self.opt.min_quads:
+                reason = (
+                    f"best was {best.name}, but the budget left {decision['quadruples']} ABBA quadruples of the "
+                    f"{self.opt.min_quads} a decision needs: keeping the reference (raise the time budget)"
+                )
             else:
-                reason = f"best was {best.name}, {gain:.3f} ms/step faster than the reference: within noise ({thr:.3f} ms), keeping the reference"
+                reason = (
+                    f"best was {best.name}, {slot.describe(ref=ref_ms)} per step vs the reference: within the noise "
+                    "(not faster beyond the interval), keeping the reference"
+                )
+            break
         if rejected:
             reason += "; " + "; ".join(rejected)
+        noise = decision["slot_interval"].half_width if decision else 0.0
+        if decision:
+            decision = {
+                **{k: v for k, v in decision.items() if not k.endswith("interval")},
+                "slot_interval": decision["slot_interval"].to_dict(),
+                "step_interval": decision["step_interval"].to_dict(),
+                "selection_gain_ms": {k: round(-v, 4) for k, v in sel.items()},
+            }
         return SearchResult(
             best=TuningConfig(winner.config.ub, winner.config.disabled, winner.name),
             best_name=winner.name,
@@ -300,11 +388,122 @@ class Searcher:
             trials=self.trials,
             contenders=cont,
             choices=choices,
-            noise_ms=noise,
+            noise_ms=noise if math.isfinite(noise) else math.inf,
             steps_run=self.steps_run,
             elapsed_s=self.elapsed_s,
             budget_hit=self.budget_hit,
+            decision=decision,
         )
+
+    def _track(
+        self, trials: list[Trial], score: Callable[[Trial], float | None] | None = None
+    ) -> Callable[[float], float]:
+        """The incumbent's value at any position (steps since tuning began), linearly interpolated between the
+        ``trials`` that measured it (nearest beyond the ends; NaN without any): what it would have measured
+        at that moment, drift included."""
+        score = score or self._slot_sum
+        pts = sorted((t.position, v) for t in trials if not t.error and (v := score(t)) is not None)
+
+        def at(p: float) -> float:
+            if not pts:
+                return math.nan
+            if p <= pts[0][0]:
+                return pts[0][1]
+            for (p0, v0), (p1, v1) in zip(pts, pts[1:]):
+                if p <= p1:
+                    return v0 + (v1 - v0) * (p - p0) / (p1 - p0) if p1 > p0 else v1
+            return pts[-1][1]
+
+        return at
+
+    def _abba_cost(self, quads: int) -> int:
+        return quads * (4 * self.block_steps + 2 * self.opt.warmup_steps)
+
+    def plan_decision(self, contenders: int) -> int:
+        """Steps to reserve for the final decision; call after the first trial (the cost of a step is known).
+        Blocks shrink from ``block_steps`` towards 1 step until the decision needs at most half the budget."""
+        o = self.opt
+        per_step = self.elapsed_s / self.steps_run if self.steps_run else 0.0
+        budget = min(o.max_steps, o.max_seconds / per_step) if per_step else o.max_steps
+        self.block_steps = o.block_steps
+        while self.block_steps > 1 and o.decision_steps(contenders, self.block_steps) > budget / 2:
+            self.block_steps -= 1
+        return o.decision_steps(contenders, self.block_steps)
+
+    def _decision_trial(self, c: Contender, steps: int, phase: str) -> Trial:
+        t = self._run(phase, c.config, {"*": c.name}, steps)
+        c.samples.extend(t.step_samples)
+        return t
+
+    def _slot_sum(self, t: Trial) -> float | None:
+        """Median over the trial's steps of the per-step sum over slots (ms): GPU time of the overlapped layers."""
+        per = self._step_slot_sums(t)
+        return statistics.median(per) if per else None
+
+    def _step_slot_sums(self, t: Trial) -> list[float]:
+        cols = list(t.slot_samples.values())
+        if not cols:
+            return []
+        return [sum(c[i] for c in cols) for i in range(min(len(c) for c in cols))]
+
+    def _abba(self, ref: Contender, cand: Contender) -> dict:
+        """ABBA quadruples of ``block_steps``-step blocks; from ``min_quads`` on, stop as soon as the slot-time
+        interval excludes zero (either way) or cannot hold a gain of ``rel_floor`` of the step any more, or at
+        the budget. Per quadruple the reference runs A1 then (after the candidate's two blocks) A2 and the next
+        quadruple's A1 without a switch: each config has one block right after a switch and one after its own
+        block, so effects of the position since a switch cancel too."""
+        o, bs = self.opt, self.block_steps
+        order: list[int] = []
+        slot_blocks: list[float] = []
+        step_blocks: list[float] = []
+        quads, error = 0, None
+        slot_iv = step_iv = paired.gain_interval([], o.level)
+        while quads < o.max_quads and error is None and self._can_afford(self._abba_cost(1) - o.warmup_steps):
+            for which, n_blocks in paired.runs(paired.QUAD):
+                c = cand if which == paired.B else ref
+                continuing = bool(order) and order[-1] == which
+                t = self._run("confirm", c.config, {"*": c.name}, bs * n_blocks, warmup=0 if continuing else None)
+                if t.error:
+                    error = t.error
+                    break
+                c.samples.extend(t.step_samples)
+                slots, steps = self._step_slot_sums(t) or t.step_samples, t.step_samples
+                for b in range(n_blocks):
+                    part = slice(b * bs, (b + 1) * bs)
+                    slot_blocks.append(statistics.median(slots[part]))
+                    step_blocks.append(statistics.median(steps[part]))
+                    order.append(which)
+            else:
+                quads += 1
+            if quads >= o.min_quads and error is None:
+                slot_iv = paired.gain_interval(paired.quad_gains(slot_blocks[: 4 * quads], order), o.level)
+                step_iv = paired.gain_interval(paired.quad_gains(step_blocks[: 4 * quads], order), o.level)
+                ref_ms = statistics.median(v for v, w in zip(step_blocks, order) if w == paired.A)
+                if slot_iv.faster or slot_iv.slower or slot_iv.high < o.rel_floor * ref_ms:
+                    break
+        ref_blocks = [v for v, w in zip(step_blocks, order) if w == paired.A]
+        ref_ms = statistics.median(ref_blocks) if ref_blocks else math.nan
+        drift = (max(ref_blocks) - min(ref_blocks)) / ref_ms if ref_blocks else 0.0
+        return {
+            "candidate": cand.name,
+            "quadruples": quads,
+            "block_steps": bs,
+            "level": o.level,
+            "error": error,
+            "slot_interval": slot_iv,
+            "step_interval": step_iv,
+            "reference_step_ms": ref_ms,
+            "noise_pct_of_step": round(100 * slot_iv.half_width / ref_ms, 3)
+            if ref_blocks and math.isfinite(slot_iv.half_width)
+            else None,
+            "reference_drift_pct": round(100 * drift, 2),
+            "drift_note": (
+                f"the reference's step time ranged {100 * drift:.1f}% over the decision: the ABBA order cancels a "
+                "linear drift, and a sudden change moves one quadruple by one rank"
+                if drift > 0.02
+                else "no drift above 2% of a step seen"
+            ),
+        }
 
     report_only: frozenset[str] = frozenset()  # contenders measured for the report but never chosen
 

@@ -16,8 +16,9 @@ def robust_sigma(values: Sequence[float]) -> float:
 
 
 def pooled_sigma(groups: Sequence[Sequence[float]]) -> float:
-    """Step-to-step spread pooled over groups of repeats of the same thing (residuals to each median)."""
-    resid = [v - statistics.median(g) for g in groups if len(g) >= 2 for v in g]
+    """Step-to-step spread pooled over groups of repeats of the same thing (residuals to each median, scaled by
+    sqrt(g / (g - 1)): residuals to a group's own centre understate the spread, by a third for pairs)."""
+    resid = [(v - statistics.median(g)) * math.sqrt(len(g) / (len(g) - 1)) for g in groups if len(g) >= 2 for v in g]
     return robust_sigma(resid) if len(resid) >= 2 else 0.0
 
 

@@ -38,20 +38,35 @@ class SearchOptions:
     warmup_steps: int = 1  # after each switch
     keep: int = 2  # options per GEMM that survive screening
     halving_steps: int = 4
-    confirm_steps: int = 6
-    confirm_rounds: int = 3
-    z: float = 2.0  # gains must exceed z standard errors
+    bracket_every: int = 2  # the incumbent runs again after this many trials (drift is interpolated between)
+    block_steps: int = 3  # measured steps per block of the final decision (block value: their median); fewer
+    # when the decision would take more than half the budget
+    min_quads: int = 6  # ABBA quadruples before the first look (6: the fewest for a 95% interval)
+    max_quads: int = 24
+    level: float = 0.95  # confidence of the final decision's interval
+    z: float = 2.0  # per-GEMM gains must exceed z standard errors
     rel_floor: float = 0.002  # ... and this fraction of the time
     max_exhaustive: int = 512
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy = {self.strategy!r}: must be one of {', '.join(STRATEGIES)}")
-        for k in ("max_steps", "screen_steps", "keep", "halving_steps", "confirm_steps", "confirm_rounds"):
+        for k in ("max_steps", "screen_steps", "keep", "halving_steps", "bracket_every", "block_steps"):
             if getattr(self, k) < 1:
                 raise ValueError(f"{k} = {getattr(self, k)}: must be >= 1")
         if self.max_seconds <= 0:
             raise ValueError(f"max_seconds = {self.max_seconds}: must be > 0")
+        if not 6 <= self.min_quads <= self.max_quads:
+            raise ValueError(f"min_quads = {self.min_quads}: must be >= 6 and <= max_quads = {self.max_quads}")
+        if not 0.5 <= self.level < 1:
+            raise ValueError(f"level = {self.level}: must be in [0.5, 1)")
+
+    def decision_steps(self, contenders: int, block_steps: int | None = None) -> int:
+        """Steps the final decision needs at least: a selection round over ``contenders`` (the reference
+        bracketing them) and ``min_quads`` ABBA quadruples (2 switches each), with blocks of ``block_steps``."""
+        b = block_steps or self.block_steps
+        select = (contenders + 1 + math.ceil(contenders / self.bracket_every)) * (b + self.warmup_steps)
+        return select + self.min_quads * (4 * b + 2 * self.warmup_steps)
 
 
 @dataclass
@@ -64,6 +79,8 @@ class Trial:
     step_ms: float | None = None  # median
     step_samples: list[float] = field(default_factory=list)
     error: str | None = None
+    position: float = 0.0  # steps since tuning began, at the first measured step (drift is a function of it)
+    slot_samples: dict[str, list[float]] = field(default_factory=dict)  # slot -> ms per measured step
 
     def to_dict(self) -> dict:
         return {
@@ -74,6 +91,7 @@ class Trial:
             "slot_ms": {k: round(v, 4) for k, v in self.slot_ms.items()},
             "step_ms": None if self.step_ms is None else round(self.step_ms, 4),
             "step_samples_ms": [round(s, 4) for s in self.step_samples],
+            "position": self.position,
             "error": self.error,
         }
 
@@ -97,7 +115,8 @@ class SearchResult:
     trials: list[Trial]
     contenders: list[Contender]
     choices: dict[str, dict]  # gemm -> {"option", "gain_ms", "noise_ms", "accepted"}
-    noise_ms: float  # step-time noise threshold used for the final decision
+    noise_ms: float  # half-width of the final decision's interval (ms): the smallest gain it could accept
     steps_run: int
     elapsed_s: float
     budget_hit: bool
+    decision: dict = field(default_factory=dict)  # the final ABBA comparison: intervals, quadruples, drift

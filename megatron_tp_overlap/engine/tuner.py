@@ -125,6 +125,7 @@ class Autotuner:
         self._ref_fp: torch.Tensor | None = None
         self._guard_off: str | None = None
         self._trial_index = 0
+        self._agreed_elapsed = 0.0  # wall seconds since tuning began, max over ranks, at the last numerics check
         self.numerics: dict[str, float] = {}
 
     def _barrier(self) -> None:
@@ -292,7 +293,7 @@ class Autotuner:
         except Exception as e:  # noqa: BLE001
             self.log(f"[tp-overlap-autotune] numerics check raised: {type(e).__name__}: {e}")
             err = math.inf
-        err = agree_max([err], self.group, self.timing_device)[0]
+        err, self._agreed_elapsed = agree_max([err, self.clock() - self._t0], self.group, self.timing_device)
         self.numerics[config.describe()] = err
         tol = self.tolerance()
         return None if err <= tol else f"rel. error {err:.2e} > {tol:.2g} vs no overlap"
@@ -392,6 +393,7 @@ class Autotuner:
             self.options,
             self.progress,
             verify=self.verify if self.verify_fn is not None else None,
+            elapsed=lambda: self._agreed_elapsed,
         )
         searcher.report_only = frozenset(outside_mode | (set() if self.allow_overlap_off else {"no overlap"}))
         result = searcher.run(reference, baselines)

@@ -26,7 +26,7 @@ from megatron.bridge.training.comm_overlap import CommOverlapConfig
 
 from megatron_tp_overlap.engine.options import PREFIX, TuneOptions, option_fields
 from megatron_tp_overlap.integrations.megatron.flags import default_output, output_problems
-from megatron_tp_overlap.integrations.megatron.launcher import guarded_compile_helpers
+from megatron_tp_overlap.integrations.megatron.launcher import guarded_compile_helpers, verifying
 from megatron_tp_overlap.integrations.megatron.run_shape import RunShape
 from megatron_tp_overlap.ub.layer_cfg import reference_config
 
@@ -77,10 +77,11 @@ AutotuneCommOverlapConfig.__doc__ = (
 def tune_before_training(
     state: Any, forward_step_func: Any, model: list, optimizer: Any, train_data_iterator: Any
 ) -> Any:
-    """Tune if the run's ``comm_overlap`` asks for it; returns the data iterator the loop must use."""
+    """Tune if the run's ``comm_overlap`` asks for it; returns the data iterator the loop must use and the in-run
+    verification its ``train_step`` must drive (or None)."""
     overlap = getattr(state.cfg, "comm_overlap", None)
     if not isinstance(overlap, AutotuneCommOverlapConfig) or not getattr(overlap, PREFIX):
-        return train_data_iterator
+        return train_data_iterator, None
     from megatron.bridge.training.utils.train_utils import prepare_forward_step_func
 
     from megatron_tp_overlap.integrations.megatron.tuning import tune
@@ -111,7 +112,7 @@ def tune_before_training(
         overlap.tp_comm_overlap_cfg = to_layer_cfg(tuned.config.ub, run.tp, framework_classes())
     except ValueError:  # a GEMM the dataclass cannot hold: the YAML path above still says it all
         overlap.tp_comm_overlap_cfg = None
-    return tuned.data_iterator
+    return tuned.data_iterator, getattr(tuned, "verification", None)
 
 
 def install() -> None:
@@ -138,9 +139,24 @@ def install() -> None:
         *rest,
         **kw,
     ):
-        train_data_iterator = tune_before_training(
+        train_data_iterator, verification = tune_before_training(
             global_state, forward_step_func, model, optimizer, train_data_iterator
         )
+        if verification is not None:
+            import megatron.bridge.training.train as bridge_train
+
+            with verifying(bridge_train, "train_step", verification):
+                return original(
+                    forward_step_func,
+                    model,
+                    optimizer,
+                    scheduler,
+                    train_data_iterator,
+                    valid_data_iterator,
+                    global_state,
+                    *rest,
+                    **kw,
+                )
         return original(
             forward_step_func,
             model,

@@ -103,6 +103,19 @@ class AutotuneCommOverlapCallback(MegatronCommOverlapCallback):
 
         strategy.training_step = training_step
 
+    def _verification(self) -> Any:
+        v = getattr(self.tuned, "verification", None) if self.tuned is not None else None
+        return v if v is not None and not v.done else None
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        """In-run verification: this iteration's config goes live (tuning itself runs inside the first one)."""
+        if (v := self._verification()) is not None:
+            v.before()
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if (v := self._verification()) is not None:
+            v.after()
+
     # -- tuning ----------------------------------------------------------------------------------
     def output_path(self, trainer: Any) -> Path:
         return default_output(self.options.output, None, getattr(trainer, "default_root_dir", None))

@@ -38,6 +38,7 @@ class Tuned:
     result: Any = None  # engine TuneResult; None when a cached config was reused or tuning fell back
     reused: bool = False
     notes: list[str] = field(default_factory=list)
+    verification: Any = None  # engine.verify.InRunVerification the training loop drives; None: nothing to verify
 
 
 class MegatronSteps:
@@ -150,14 +151,17 @@ def tune(
     cache = TunedConfigCache(options.cache_dir)
     init = run.init_args()
     if options.reuse:
-        reused = _reuse(model, init, cache, key, reference, output, log)
-        if reused is not None:
-            return Tuned(reused, data_iterator, output, flags_for(reused.ub, output)[0], reused=True)
+        found = _reuse(model, init, cache, key, reference, output, log)
+        if found is not None:
+            reused, switcher = found
+            tuned = Tuned(reused, data_iterator, output, flags_for(reused.ub, output)[0], reused=True)
+            tuned.verification = _verification(tuned, reference, switcher, options, key, cache, log)
+            return tuned
 
     steps = MegatronSteps(model, forward_step_func, optimizer, data_iterator, run)
     state_check = _state_check(model, optimizer, steps) if check_state else None
     t0 = time.perf_counter()
-    result = _search(model, steps, init, run, options, reference, trial_context, log)
+    result, switcher = _search(model, steps, init, run, options, reference, trial_context, log)
     tuned = Tuned(
         result.best if result else TuningConfig(reference, frozenset(), "reference"),
         steps.data_iterator,
@@ -174,8 +178,74 @@ def tune(
     tuned.flags, _ = flags_for(tuned.config.ub, output)  # the search kept to this run's dgrad mode
     _write_outputs(tuned, key, cache, time.perf_counter() - t0, log)
     _tensorboard(result)
+    tuned.verification = _verification(tuned, reference, switcher, options, key, cache, log)
     torch.distributed.barrier()
     return tuned
+
+
+def _verification(
+    tuned: Tuned, reference: UbConfig, switcher: Any, options: TuneOptions, key: Any, cache: Any, log: Callable
+) -> Any:
+    """The in-run verification of ``tuned`` against ``reference`` (None when off or when they are the same config);
+    its verdict goes into the report, and a config that is not faster is replaced by the reference in the YAML and
+    the cache (rank 0, atomically)."""
+    import torch
+
+    from megatron_tp_overlap.engine.measure import agree_max
+    from megatron_tp_overlap.engine.verify import InRunVerification, quads_for
+
+    ref = TuningConfig(reference, frozenset(), "reference")
+    if options.verify_iters <= 0 or switcher is None or tuned.config == ref:
+        return None
+
+    def on_verdict(v: Any) -> None:
+        tuned.notes.append(v.message)
+        if torch.distributed.get_rank() != 0:
+            return
+        _update_report(tuned.yaml_path, {"in_run_verification": v.to_dict()}, log)
+        if v.reverted:
+            flags, _ = flags_for(v.keep.ub, tuned.yaml_path)
+            meta = {**_key_meta(key), "chosen": "reference (the in-run verification found no gain)"}
+            if _write_yaml(tuned.yaml_path, v.keep, meta, log):
+                log(f"{TAG} rewrote {tuned.yaml_path} with the starting config; reproduce with: {' '.join(flags)}")
+            try:
+                cache.put(key, v.keep.ub, v.keep.disabled, {"tuned": {"chosen": "reference (in-run verification)"}})
+            except OSError as e:
+                log(f"{TAG} WARNING could not update the cache entry: {e}")
+
+    log(
+        f"{TAG} verifying in the run: the next {4 * quads_for(options.verify_iters) + 1} iterations alternate the "
+        f"{tuned.config.label} config and the starting one (ABBA)"
+    )
+    return InRunVerification(
+        tuned.config,
+        ref,
+        options.verify_iters,
+        apply=switcher.apply,
+        agree=lambda v: agree_max(v, None, "cuda"),
+        sync=torch.cuda.synchronize,
+        on_verdict=on_verdict,
+        log=log,
+    )
+
+
+def _key_meta(key: Any) -> dict[str, Any]:
+    from dataclasses import asdict
+
+    return asdict(key)
+
+
+def _update_report(yaml_path: Path, extra: dict[str, Any], log: Callable) -> None:
+    import json
+
+    from megatron_tp_overlap.engine.report import write_report
+
+    path = yaml_path.with_suffix(".report.json")
+    try:
+        report = json.loads(path.read_text()) if path.exists() else {}
+        write_report(path, {**report, **extra})
+    except (OSError, ValueError) as e:
+        log(f"{TAG} WARNING could not update {path}: {e}")
 
 
 def _search(
@@ -187,8 +257,9 @@ def _search(
     reference: UbConfig,
     trial_context: Callable[[], ContextManager],
     log: Callable[..., None],
-) -> Any:
-    """The engine's search on Megatron's trial steps; None when every trial failed (all ranks agree on that)."""
+) -> tuple[Any, Any]:
+    """The engine's search on Megatron's trial steps, and the switcher that applied its configs; (None, None) when
+    every trial failed (all ranks agree on that)."""
     import torch
 
     from megatron_tp_overlap.engine.progress import TuningProgress
@@ -219,7 +290,7 @@ def _search(
     signals: list[int] = []
     try:
         with trial_context(), progress, interrupt_on_sigterm(signals):
-            return tuner.tune()
+            return tuner.tune(), tuner.switcher
     except BaseException as e:
         # Ctrl-C, or SIGTERM from torchrun / the scheduler (whose other handlers, e.g. a DataLoader's, may replace
         # the KeyboardInterrupt on the way out)
@@ -230,11 +301,11 @@ def _search(
         raise
     except TopologyMismatch as e:  # before any trial, on every rank: the starting config is still live
         log(f"{TAG} WARNING cannot tune this layout: {e}; training with the starting config")
-        return None
+        return None, None
     except TrialFailed as e:  # raised on every rank together: the run trains on with its own config
         log(f"{TAG} WARNING tuning failed ({e}); training with the starting config")
         tuner.switcher.apply(TuningConfig(reference, frozenset(), "reference"))
-        return None
+        return None, None
     finally:
         steps.zero()
         steps.snapshot.restore()
@@ -266,8 +337,9 @@ def interrupt_on_sigterm(seen: list[int] | None = None) -> Iterator[None]:
 
 def _reuse(
     model: list, init: Any, cache: Any, key: Any, reference: UbConfig, output: Path, log: Callable[..., None]
-) -> TuningConfig | None:
-    """The cached config for ``key``, applied; rank 0 reads the cache and every rank gets its answer."""
+) -> tuple[TuningConfig, Any] | None:
+    """The cached config for ``key``, applied, and the switcher that applied it; rank 0 reads the cache and every
+    rank gets its answer."""
     import torch
 
     from megatron_tp_overlap.engine.switcher import UbSwitcher
@@ -278,16 +350,17 @@ def _reuse(
     if found[0] is None:
         return None
     config = TuningConfig(found[0].ub, found[0].disabled, "reused")
-    UbSwitcher(
+    switcher = UbSwitcher(
         init, find_overlap_modules(model), barrier=torch.distributed.barrier, current=TuningConfig(reference)
-    ).apply(config)
+    )
+    switcher.apply(config)
     if torch.distributed.get_rank() == 0:
         _write_yaml(output, config, {"reused_from": str(cache.root), **found[0].meta.get("tuned", {})}, log)
     log(
         f"{TAG} reusing the config tuned {found[0].meta.get('date', '')} for this GPU, shape, dtype and TE version "
         f"({cache.root}): tuning skipped; wrote {output}"
     )
-    return config
+    return config, switcher
 
 
 def _write_yaml(path: Path, config: TuningConfig, meta: dict[str, Any], log: Callable[..., None]) -> bool:

@@ -1,0 +1,119 @@
+"""Paired comparisons that drift cannot fool: ABBA blocks and a distribution-free confidence interval.
+
+Two configs A (the reference) and B (a candidate) run in blocks ordered A B B A, A B B A, ... Within one
+quadruple a linear drift of the step time (clocks, temperature, a neighbour job) adds the same to
+``A1 + A2`` as to ``B1 + B2``, so the quadruple's difference ``(A1 + A2 - B1 - B2) / 2`` keeps only the
+gain and noise; quadruples are independent of each other. Their median gain and its confidence interval
+come from the Wilcoxon signed-rank test (Hodges-Lehmann estimate over Walsh averages): no normality is
+assumed, and a quadruple hit by a sudden change (a +25% stretch that starts inside it) or a periodic slow
+step moves the estimate by one rank, not by its size.
+
+Used twice: by the search's final decision (trial blocks) and by the in-run verification (real
+iterations, :mod:`engine.verify`).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+A, B = 0, 1
+QUAD = (A, B, B, A)
+
+
+def abba(quads: int) -> list[int]:
+    """Block order for ``quads`` quadruples: A B B A A B B A ... (A = 0, B = 1)."""
+    return [x for _ in range(quads) for x in QUAD]
+
+
+def runs(order: Sequence[int]) -> list[tuple[int, int]]:
+    """``order`` as runs of equal blocks: [(config, blocks)], e.g. A B B A A B B A -> A1 B2 A2 B2 A1 (one switch
+    per run)."""
+    out: list[tuple[int, int]] = []
+    for x in order:
+        if out and out[-1][0] == x:
+            out[-1] = (x, out[-1][1] + 1)
+        else:
+            out.append((x, 1))
+    return out
+
+
+def quad_gains(blocks: Sequence[float], order: Sequence[int] | None = None) -> list[float]:
+    """Per complete quadruple, ``mean(A) - mean(B)`` (positive: B is faster) of the block values ``blocks``
+    (in the order of :func:`abba`)."""
+    order = list(order) if order is not None else abba(len(blocks) // 4 + 1)
+    out = []
+    for q in range(len(blocks) // 4):
+        a = [blocks[4 * q + i] for i in range(4) if order[4 * q + i] == A]
+        b = [blocks[4 * q + i] for i in range(4) if order[4 * q + i] == B]
+        out.append(sum(a) / len(a) - sum(b) / len(b))
+    return out
+
+
+@lru_cache(maxsize=128)
+def _signed_rank_cdf(n: int) -> tuple[float, ...]:
+    """P(T <= t), t = 0 .. n(n+1)/2, of the Wilcoxon signed-rank statistic of ``n`` samples under H0."""
+    m = n * (n + 1) // 2
+    counts = [1] + [0] * m
+    for r in range(1, n + 1):
+        for t in range(m, r - 1, -1):
+            counts[t] += counts[t - r]
+    total, acc, cdf = 2**n, 0, []
+    for c in counts:
+        acc += c
+        cdf.append(acc / total)
+    return tuple(cdf)
+
+
+@dataclass(frozen=True)
+class Interval:
+    """A gain (ms; positive: the candidate is faster) and its ``level`` confidence interval."""
+
+    estimate: float
+    low: float
+    high: float
+    n: int  # independent pairs (quadruples)
+    level: float
+
+    @property
+    def half_width(self) -> float:
+        return (self.high - self.low) / 2 if math.isfinite(self.high - self.low) else math.inf
+
+    @property
+    def faster(self) -> bool:
+        """The candidate is faster beyond the interval."""
+        return self.low > 0
+
+    @property
+    def slower(self) -> bool:
+        return self.high < 0
+
+    def describe(self, unit: str = "ms", ref: float | None = None) -> str:
+        pct = f" ({100 * self.estimate / ref:+.2f}% +- {100 * self.half_width / ref:.2f}%)" if ref else ""
+        return f"{self.estimate:+.3f} {unit} (+-{self.half_width:.3f}, {self.level:.0%} CI, n={self.n}){pct}"
+
+    def to_dict(self) -> dict[str, float | int]:
+        r = lambda v: round(v, 4) if math.isfinite(v) else None  # noqa: E731
+        return {"gain_ms": r(self.estimate), "ci_low_ms": r(self.low), "ci_high_ms": r(self.high), "n": self.n}
+
+
+def gain_interval(gains: Sequence[float], level: float = 0.95) -> Interval:
+    """Hodges-Lehmann estimate of the median of ``gains`` with its distribution-free ``level`` confidence
+    interval (Wilcoxon signed-rank, exact). Infinite bounds while there are too few pairs for ``level``
+    (6 pairs give a 95% interval, 8 give 99%)."""
+    n = len(gains)
+    if n == 0:
+        return Interval(0.0, -math.inf, math.inf, 0, level)
+    walsh = sorted((gains[i] + gains[j]) / 2 for i in range(n) for j in range(i, n))
+    est = statistics.median(walsh)
+    cdf = _signed_rank_cdf(n)
+    alpha = (1 - level) / 2
+    k = 0  # the interval is [walsh[k], walsh[M-1-k]] with P(T <= k-1) <= alpha
+    while k < len(cdf) and cdf[k] <= alpha:
+        k += 1
+    if k == 0:
+        return Interval(est, -math.inf, math.inf, n, level)
+    return Interval(est, walsh[k - 1], walsh[len(walsh) - k], n, level)

@@ -1,0 +1,142 @@
+"""The gain verified in the run itself: the first real training iterations alternate the tuned config and the
+reference in ABBA order (:mod:`engine.paired`), on the real data and the real optimizer steps.
+
+The framework calls :meth:`InRunVerification.before` and :meth:`~InRunVerification.after` around each of its
+training iterations; both configs already passed the numerics check, so the run trains as it would have.
+After the last measured iteration every rank holds the same verdict (the iteration times are the max over
+ranks, gathered once): the realized gain per iteration with its 95% interval, and the config the run keeps:
+the tuned one only if it is faster beyond the interval, else the reference.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from megatron_tp_overlap.engine import paired
+from megatron_tp_overlap.engine.space import TuningConfig
+
+WARM_ITERS = 1  # not measured: the first real iteration allocates the optimizer state
+
+
+@dataclass
+class Verdict:
+    keep: TuningConfig  # the config the run trains on from now
+    interval: paired.Interval  # gain of the tuned config per iteration (ms; positive: faster)
+    reference_ms: float  # median iteration of the reference
+    tuned_ms: float
+    iterations: int
+    message: str
+
+    @property
+    def reverted(self) -> bool:
+        return self.keep.label == "reference"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kept": self.keep.label,
+            "reverted": self.reverted,
+            "iterations": self.iterations,
+            "reference_iter_ms": round(self.reference_ms, 3),
+            "tuned_iter_ms": round(self.tuned_ms, 3),
+            **self.interval.to_dict(),
+            "level": self.interval.level,
+            "message": self.message,
+        }
+
+
+def quads_for(iters: int) -> int:
+    """ABBA quadruples of one iteration per block for ``iters`` requested iterations (at least 6: a 95% interval)."""
+    return max(6, math.ceil(iters / 4))
+
+
+@dataclass
+class InRunVerification:
+    """ABBA over real iterations. ``apply`` switches the live config (the tuner's switcher); ``agree`` returns
+    element-wise max over ranks; ``sync`` waits for the device; ``on_verdict`` acts on the result (rewrite
+    the YAML, the report), called on every rank once."""
+
+    tuned: TuningConfig
+    reference: TuningConfig
+    iters: int
+    apply: Callable[[TuningConfig], Any]
+    agree: Callable[[list[float]], list[float]] = lambda v: list(v)
+    sync: Callable[[], None] = lambda: None
+    clock: Callable[[], float] = time.perf_counter
+    on_verdict: Callable[[Verdict], None] = lambda v: None
+    log: Callable[..., None] = print
+    reference_name: str = "the starting config"
+    order: list[int] = field(init=False)
+    times_ms: list[float] = field(init=False, default_factory=list)
+    verdict: Verdict | None = field(init=False, default=None)
+    switch_s: list[float] = field(init=False, default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.order = paired.abba(quads_for(self.iters))
+        self._i = 0  # iterations seen
+        self._t0 = 0.0
+        self._live: TuningConfig | None = self.tuned
+
+    @property
+    def done(self) -> bool:
+        return self.verdict is not None
+
+    def _config_at(self, i: int) -> TuningConfig:
+        j = i - WARM_ITERS
+        return self.tuned if j < 0 or self.order[j] == paired.B else self.reference
+
+    def before(self) -> None:
+        """Before a training iteration: the config of this iteration goes live, the clock starts."""
+        if self.done:
+            return
+        want = self._config_at(self._i)
+        if want != self._live:
+            t = self.clock()
+            self.apply(want)
+            self.switch_s.append(self.clock() - t)
+            self._live = want
+        self.sync()
+        self._t0 = self.clock()
+
+    def after(self) -> Verdict | None:
+        """After a training iteration: its time is recorded; after the last one, the verdict (every rank)."""
+        if self.done:
+            return None
+        self.sync()
+        if self._i >= WARM_ITERS:
+            self.times_ms.append(1e3 * (self.clock() - self._t0))
+        self._i += 1
+        if len(self.times_ms) < len(self.order):
+            return None
+        self.verdict = self._decide(self.agree(self.times_ms))
+        if self.verdict.keep != self._live:
+            self.apply(self.verdict.keep)
+            self._live = self.verdict.keep
+        self.log(self.verdict.message)
+        self.on_verdict(self.verdict)
+        return self.verdict
+
+    def _decide(self, times: list[float]) -> Verdict:
+        iv = paired.gain_interval(paired.quad_gains(times, self.order))
+        ref = statistics.median(t for t, w in zip(times, self.order) if w == paired.A)
+        tun = statistics.median(t for t, w in zip(times, self.order) if w == paired.B)
+        measured = (
+            f"tuned config: {-iv.estimate:+.3f} ms/iter (+-{iv.half_width:.3f}, {iv.level:.0%} CI; "
+            f"{-100 * iv.estimate / ref:+.2f}%) vs {self.reference_name}, measured in this run "
+            f"({len(times)} iterations, ABBA; {ref:.1f} vs {tun:.1f} ms median)"
+        )
+        if iv.faster:
+            return Verdict(self.tuned, iv, ref, tun, len(times), f"[tp-overlap-autotune] {measured}: keeping it")
+        why = "slower" if iv.slower else "not faster beyond the interval"
+        return Verdict(
+            TuningConfig(self.reference.ub, self.reference.disabled, "reference"),
+            iv,
+            ref,
+            tun,
+            len(times),
+            f"[tp-overlap-autotune] {measured}: {why}, so the run goes back to {self.reference_name}",
+        )

@@ -1,0 +1,189 @@
+"""How often the search's decision is right on a simulated run: known true costs, realistic disturbances.
+
+A simulated GPT layer stack (qkv/proj/fc1/fc2, 12 GEMMs) where every config's true cost is known; each
+scenario adds what real trial steps show (H200, Megatron-LM): per-slot GPU noise, host jitter on the step,
+a step time that drifts (ramp) or jumps (+25% for a third of the budget), a periodic slow step. Per seed a
+few options of a few GEMMs are truly faster (together ``gain`` of the step), or none is (``equal``). The
+search runs on it unchanged (:class:`~engine.search.Searcher` with the default options) and is scored by
+the true cost of what it chose:
+
+- realized: (reference - chosen) / (reference - best), the share of the available gain it took;
+- worst: the chosen config's true cost over the reference's (> 0: it ended slower);
+- false winner (``equal``): it named any config other than the reference.
+
+``python -m megatron_tp_overlap.tools.decision_sim --seeds 200`` prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from megatron_tp_overlap.engine.search import Measurement, Searcher, SearchOptions
+from megatron_tp_overlap.engine.space import Option, TuningConfig, all_off, apply, build_space
+from megatron_tp_overlap.engine.topology import Topology
+from megatron_tp_overlap.ub.config import UbConfig
+from megatron_tp_overlap.ub.rules import ValidationContext
+
+CTX = ValidationContext(sm_count=132, tp_size=2, tokens=8192)
+TOPO = Topology(
+    kinds=(("qkv", "column"), ("proj", "row"), ("fc1", "column"), ("fc2", "row")),
+    active=frozenset(f"{m}_{p}" for m in ("qkv", "proj", "fc1", "fc2") for p in ("fprop", "dgrad", "wgrad")),
+    layers=4,
+)
+STEP_MS = 100.0  # reference step
+GEMM_MS = 3.0  # each of the 12 GEMMs (+ its communication) under the reference: 36 ms of the step in slots
+OFF_MS = 4.5  # a GEMM with overlap off
+SLOT_NOISE = 0.005  # relative GPU noise per slot and step
+SCENARIOS = ("iid", "ramp", "jump", "periodic", "position", "jitter")
+
+
+@dataclass
+class World:
+    """The true costs of one seed: per (gemm, option label) the ms it takes."""
+
+    fast: dict[tuple[str, str], float]
+
+    def gemm_ms(self, gemm: str, config: TuningConfig) -> float:
+        if gemm in config.disabled:
+            return OFF_MS
+        c = config.ub.get(gemm)
+        return self.fast.get((gemm, c.describe() if c is not None else ""), GEMM_MS)
+
+    def step_ms(self, config: TuningConfig) -> float:
+        return STEP_MS - 12 * GEMM_MS + sum(self.gemm_ms(g, config) for g in TOPO.active)
+
+
+def make_world(space: dict[str, list[Option]], gain: float, rng: random.Random) -> World:
+    """``gain`` (fraction of the step) spread over 1-3 options of distinct GEMMs; 0: every config costs the same."""
+    if gain <= 0:
+        return World({})
+    gemms = rng.sample([g for g in space if any(o.enabled and o.cfg for o in space[g])], rng.randint(1, 3))
+    shares = [rng.random() + 0.2 for _ in gemms]
+    fast = {}
+    for g, s in zip(gemms, shares):
+        opt = rng.choice([o for o in space[g] if o.enabled and o.cfg])
+        fast[(g, opt.cfg.describe())] = GEMM_MS - gain * STEP_MS * s / sum(shares)
+    return World(fast)
+
+
+def disturbance(scenario: str, budget_steps: int) -> Callable[[int, int, random.Random], tuple[float, float, float]]:
+    """Per step (index since tuning began, index since the last switch): (factor on GPU time, extra host ms on
+    the step, relative GPU noise per slot)."""
+
+    def f(i: int, since: int, rng: random.Random) -> tuple[float, float, float]:
+        factor, host, noise = _disturb(i, since, rng)
+        return factor, host, noise
+
+    def _disturb(i: int, since: int, rng: random.Random) -> tuple[float, float, float]:
+        if scenario == "position":  # after a switch: 1% slower per step (clocks settle), the 3rd step 8% slower
+            return 1 + 0.01 * min(since, 4) + (0.08 if since == 2 else 0.0), 0.0, SLOT_NOISE
+        if scenario == "jitter":  # 2% host jitter on the step; a host-bound GPU waits inside the layers too
+            return 1.0, rng.gauss(0, 0.02 * STEP_MS), 0.02
+        if scenario == "iid":  # 2% GPU noise per slot and step
+            return 1.0, 0.0, 0.02
+        factor, host = g(i)
+        return factor, host, SLOT_NOISE
+
+    def g(i: int) -> tuple[float, float]:
+        if scenario == "ramp":  # 0.03% faster per step (clocks, caches warming up): what is measured late looks fast
+            return 1 - 3e-4 * i, 0.0
+        if scenario == "jump":  # +25% for the middle third of the budget
+            return (1.25 if budget_steps / 3 <= i < 2 * budget_steps / 3 else 1.0), 0.0
+        if scenario == "periodic":  # every 7th step 15% slower (a GC, a logger, a data loader)
+            return (1.15 if i % 7 == 3 else 1.0), 0.0
+        return 1.0, 0.0
+
+    return f
+
+
+class SimulatedRun:
+    """``evaluate`` for the searcher: steps of a config under the scenario's disturbances. Seconds = steps x 0.1."""
+
+    def __init__(self, world: World, scenario: str, rng: random.Random, budget_steps: int):
+        self.world, self.rng, self.i, self.since, self.live = world, rng, 0, 0, None
+        self.disturb = disturbance(scenario, budget_steps)
+
+    def __call__(self, config: TuningConfig, steps: int, warmup: int) -> Measurement:
+        if config != self.live:
+            self.live, self.since = config, 0
+        self.i += warmup
+        self.since += warmup
+        slots: dict[str, list[float]] = {s: [] for s in TOPO.slots()}
+        step_ms = []
+        for _ in range(steps):
+            factor, host, noise = self.disturb(self.i, self.since, self.rng)
+            total = 0.0
+            for s, gemms in TOPO.slots().items():
+                v = factor * sum(self.world.gemm_ms(g, config) for g in gemms) * (1 + self.rng.gauss(0, noise))
+                slots[s].append(v)
+                total += v
+            step_ms.append(total + factor * (STEP_MS - 12 * GEMM_MS) + host + self.rng.gauss(0, 0.002 * STEP_MS))
+            self.i += 1
+            self.since += 1
+        return Measurement(slots, step_ms, 0.1 * self.i, steps + warmup)
+
+
+@dataclass
+class Outcome:
+    realized: float  # share of the available gain taken (nan when none was available)
+    excess: float  # chosen true cost / reference true cost - 1
+    false_winner: bool
+    steps: int
+
+
+def run_once(scenario: str, gain: float, seed: int, options: SearchOptions | None = None) -> Outcome:
+    rng = random.Random(seed)
+    options = options or SearchOptions()
+    space = build_space(TOPO, CTX, [UbConfig()])
+    world = make_world(space, gain, rng)
+    ref = TuningConfig(UbConfig(), frozenset(), "reference")
+    run = SimulatedRun(world, scenario, rng, options.max_steps)
+    res = Searcher(TOPO, space, run, CTX, options).run(ref, {"no overlap": all_off(TOPO, ref)})
+    best = ref
+    for (g, _), _ms in world.fast.items():
+        best = apply(best, next(o for o in space[g] if o.cfg and (g, o.cfg.describe()) in world.fast), TOPO)
+    ref_ms, chosen_ms, best_ms = world.step_ms(ref), world.step_ms(res.best), world.step_ms(best)
+    realized = (ref_ms - chosen_ms) / (ref_ms - best_ms) if ref_ms > best_ms else math.nan
+    return Outcome(realized, chosen_ms / ref_ms - 1, res.best_name != "reference", res.steps_run)
+
+
+def evaluate_rule(seeds: int, scenarios=SCENARIOS, options: SearchOptions | None = None) -> dict[str, dict[str, float]]:
+    """Per scenario: mean realized share and worst excess over seeds with gains of 0.5-5%, and the false-winner
+    rate over seeds where every config costs the same."""
+    out = {}
+    for sc in scenarios:
+        gains = [run_once(sc, random.Random(s).uniform(0.005, 0.05), 1000 + s, options) for s in range(seeds)]
+        equal = [run_once(sc, 0.0, 5000 + s, options) for s in range(seeds)]
+        out[sc] = {
+            "realized_mean": statistics.mean(o.realized for o in gains),
+            "realized_min": min(o.realized for o in gains),
+            "worst_excess_pct": 100 * max(o.excess for o in gains + equal),
+            "false_winner_rate": sum(o.false_winner for o in equal) / len(equal),
+            "steps_median": statistics.median(o.steps for o in gains + equal),
+        }
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--seeds", type=int, default=200)
+    p.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
+    a = p.parse_args(argv)
+    res = evaluate_rule(a.seeds, a.scenarios)
+    print(
+        f"{'scenario':10} {'realized mean':>14} {'realized min':>13} {'worst vs ref':>13} {'false winners':>14} {'steps':>6}"
+    )
+    for sc, r in res.items():
+        print(
+            f"{sc:10} {100 * r['realized_mean']:13.1f}% {100 * r['realized_min']:12.1f}% "
+            f"{r['worst_excess_pct']:+12.2f}% {100 * r['false_winner_rate']:13.1f}% {r['steps_median']:6.0f}"
+        )
+
+
+if __name__ == "__main__":
+    main()

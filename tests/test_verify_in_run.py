@@ -1,0 +1,105 @@
+"""In-run verification on simulated training iterations (a synthetic clock; no timing thresholds)."""
+
+import random
+import types
+
+import pytest
+
+from megatron_tp_overlap.engine.space import TuningConfig
+from megatron_tp_overlap.engine.verify import WARM_ITERS, InRunVerification, quads_for
+from megatron_tp_overlap.integrations.megatron.launcher import verifying
+from megatron_tp_overlap.ub.config import GemmOverlapConfig, UbConfig
+
+REF = TuningConfig(UbConfig(), frozenset(), "reference")
+TUNED = TuningConfig(
+    UbConfig().with_entry("fc2_fprop", GemmOverlapConfig(method="pipeline", num_sm=8)), label="autotuned"
+)
+
+
+class Run:
+    """Iterations whose time depends on the live config, a drift and noise; the clock is synthetic."""
+
+    def __init__(self, tuned_ms, ref_ms=200.0, drift=0.0, noise=0.0, seed=0):
+        self.now, self.live, self.i = 0.0, TUNED, 0
+        self.ms = {TUNED: tuned_ms, REF: ref_ms}
+        self.drift, self.noise, self.rng = drift, noise, random.Random(seed)
+        self.switches, self.verdicts = [], []
+
+    def apply(self, c):
+        self.switches.append(c.label)
+        self.live = c
+        self.now += 0.2  # a switch: not inside any iteration's time
+
+    def iteration(self):
+        self.now += (self.ms[self.live] * (1 + self.drift * self.i) + self.rng.gauss(0, self.noise)) / 1e3
+        self.i += 1
+
+    def verify(self, iters=24):
+        return InRunVerification(
+            TUNED,
+            REF,
+            iters,
+            apply=self.apply,
+            clock=lambda: self.now,
+            on_verdict=self.verdicts.append,
+            log=lambda *a: None,
+        )
+
+    def train(self, v, n):
+        for _ in range(n):
+            v.before()
+            self.iteration()
+            v.after()
+
+
+def test_a_real_gain_is_kept_and_measured_under_drift_and_noise():
+    run = Run(tuned_ms=196.0, drift=-4e-4, noise=1.0)  # 2% faster; 1% drift over the verification
+    v = run.verify()
+    run.train(v, WARM_ITERS + 4 * quads_for(24) + 5)
+    assert len(run.verdicts) == 1 and v.verdict.keep == TUNED and not v.verdict.reverted
+    assert v.verdict.interval.low > 0 and v.verdict.interval.estimate == pytest.approx(4.0, abs=1.0)
+    assert run.live == TUNED and "keeping it" in v.verdict.message and "ms/iter" in v.verdict.message
+    # ABBA over single iterations: a switch per run (A1 B2 A2 ... B2 A1), one back to the tuned config, then none
+    assert len(run.switches) == 2 * quads_for(24) + 2 and run.switches[-1] == "autotuned"
+
+
+@pytest.mark.parametrize("tuned_ms", [200.0, 203.0])
+def test_no_gain_or_a_loss_goes_back_to_the_reference(tuned_ms):
+    run = Run(tuned_ms=tuned_ms, noise=1.0, seed=3)
+    v = run.verify()
+    run.train(v, WARM_ITERS + 4 * quads_for(24))
+    assert v.verdict.reverted and v.verdict.keep == REF and run.live == REF
+    assert "goes back to the starting config" in v.verdict.message
+
+
+def test_the_first_iteration_is_not_measured_and_fewer_than_24_iterations_still_give_an_interval():
+    run = Run(tuned_ms=190.0)
+    v = run.verify(iters=8)
+    assert len(v.order) == 24  # 6 quadruples: the fewest with a 95% interval
+    run.train(v, WARM_ITERS)
+    assert v.times_ms == [] and run.switches == []
+
+
+def test_ranks_decide_on_the_max_over_ranks():
+    run = Run(tuned_ms=196.0)
+    v = run.verify()
+    v.agree = lambda times: [t + (50.0 if i % 4 in (1, 2) else 0.0) for i, t in enumerate(times)]  # a slow rank on B
+    run.train(v, WARM_ITERS + 24)
+    assert v.verdict.reverted
+
+
+def test_the_training_step_is_wrapped_until_the_verdict_then_restored():
+    calls = []
+    run = Run(tuned_ms=190.0)
+    mod = types.SimpleNamespace(
+        __name__="fake.training", train_step=lambda *a: (run.iteration(), calls.append(a), "loss")[-1]
+    )
+    original = mod.train_step
+    v = run.verify()
+    with verifying(mod, "train_step", v):
+        for _ in range(WARM_ITERS + 24):
+            assert mod.train_step(1) == "loss"
+        assert (
+            v.done and not v.verdict.reverted and mod.train_step is original
+        )  # unwrapped as soon as the verdict is in
+    assert mod.train_step is original and len(calls) == WARM_ITERS + 24
