@@ -214,7 +214,19 @@ def main() -> None:
             "summary": r["summary"],
             "state_check": r.get("state_check"),
             "numerics_guard": r["meta"].get("numerics_guard"),
+            "reinit_s_median": r["meta"].get("reinit_s_median"),
+            "in_run_verification": r.get("in_run_verification"),
         }
+        d, v = r["decision"], r.get("in_run_verification") or {}
+        dec = d.get("abba") or {}
+        print(
+            f"[{tag}] tuning {r['meta']['wall_s']:.1f} s (budget {a.budget_s:g} s), {r['meta']['switches']} switches, "
+            f"re-init median {r['meta'].get('reinit_s_median')} s; chose {d['chosen']}; decision noise "
+            f"{dec.get('noise_pct_of_step')}% of a step; {d['reason']}",
+            flush=True,
+        )
+        if v:
+            print(f"[{tag}] in-run verification: {v.get('message')}", flush=True)
     (out / f"megatron_{tag}.json").write_text(json.dumps(results, indent=1))
     print(f"\n| {tag} | run | iter ms (median, iters 6+) | spread | rc |\n|---|---|---|---|---|")
     for k, v in results.items():

@@ -107,6 +107,7 @@ def build_report(result: SearchResult, topo: Topology, meta: dict[str, Any]) -> 
             "reason": result.reason,
             "noise_ms": result.noise_ms,
             "config": result.best.to_dict(),
+            "abba": result.decision,
         },
         "per_gemm_choices": result.choices,
         "contenders": [
