@@ -203,3 +203,20 @@ def test_final_decision_runs_abba_quadruples_with_a_switch_per_run():
     # the first A of each quadruple after the first continues the previous A: no warm-up, no switch
     assert [t.position for t in confirm[3::3]] == [confirm[i].position + b for i in range(2, 3 * quads - 1, 3)]
     assert res.decision["slot_interval"]["ci_low_ms"] > 0 and quads == 6  # a clear gain: decided at the first look
+
+
+def test_time_spent_before_the_first_trial_is_not_taken_for_a_per_step_cost():
+    """Numerics calibration and the first switch (seconds) come before the first trial: trials report their own wall
+    time, so a 60 s budget still screens instead of reserving everything for the decision."""
+    topo, space, ref, base = setup()
+
+    class Late(Synthetic):
+        def __call__(self, config, steps, warmup):
+            m = super().__call__(config, steps, warmup)
+            m.elapsed_s += 6.0  # spent before the first trial
+            m.wall_s = (steps + warmup) * self.s_per_step
+            return m
+
+    res = Searcher(topo, space, Late(topo, s_per_step=0.15), CTX, SearchOptions(max_seconds=60)).run(ref, base)
+    assert sum(t.phase == "screen" for t in res.trials) >= 10 and res.decision["block_steps"] == 3
+    assert res.elapsed_s <= 60

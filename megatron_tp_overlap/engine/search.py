@@ -65,6 +65,7 @@ class Searcher:
         self.budget_hit = False
         self.planned_trials = 0
         self.block_steps = self.opt.block_steps  # of the final decision (plan_decision may shrink it)
+        self._trial_s, self._trial_steps = 0.0, 0  # summed over trials that report their own wall time
 
     def _verify(self, config: TuningConfig) -> str | None:
         if self.verify is None:
@@ -81,12 +82,19 @@ class Searcher:
         cost of one more step for the final switch. Seconds per step are measured, switches included: the
         budget is a hard cap on the trials."""
         n = self.steps_run + steps + self.opt.warmup_steps + reserve_steps
-        per_step = self.elapsed_s / self.steps_run if self.steps_run else 0.0
+        per_step = self._per_step_s()
         cost = per_step * (steps + self.opt.warmup_steps + reserve_steps + 1) + reserve_s
         ok = n <= self.opt.max_steps and self.elapsed_s + cost <= self.opt.max_seconds
         if not ok:
             self.budget_hit = True
         return ok
+
+    def _per_step_s(self) -> float:
+        """Seconds per trial step, switches and warm-ups included, from the trials' own wall times (what ran
+        before the first trial, e.g. the numerics calibration, is not a per-step cost)."""
+        if self._trial_steps and self._trial_s > 0:
+            return self._trial_s / self._trial_steps
+        return self.elapsed_s / self.steps_run if self.steps_run else 0.0
 
     def _run(
         self, phase: str, config: TuningConfig, tested: dict[str, str], steps: int, warmup: int | None = None
@@ -101,6 +109,8 @@ class Searcher:
         else:
             self.steps_run += m.steps_run
             self.elapsed_s = m.elapsed_s
+            self._trial_s += m.wall_s
+            self._trial_steps += m.steps_run if m.wall_s > 0 else 0
             t.slot_samples = {s: list(v) for s, v in m.slot_ms.items() if v and all(x == x for x in v)}
             t.slot_ms = {s: statistics.median(v) for s, v in m.slot_ms.items() if v}
             t.step_samples = list(m.step_ms)
@@ -423,8 +433,10 @@ class Searcher:
         """Steps to reserve for the final decision; call after the first trial (the cost of a step is known).
         Blocks shrink from ``block_steps`` towards 1 step until the decision needs at most half the budget."""
         o = self.opt
-        per_step = self.elapsed_s / self.steps_run if self.steps_run else 0.0
-        budget = min(o.max_steps, o.max_seconds / per_step) if per_step else o.max_steps
+        per_step = self._per_step_s()
+        budget = (
+            min(o.max_steps, self.steps_run + (o.max_seconds - self.elapsed_s) / per_step) if per_step else o.max_steps
+        )
         self.block_steps = o.block_steps
         while self.block_steps > 1 and o.decision_steps(contenders, self.block_steps) > budget / 2:
             self.block_steps -= 1

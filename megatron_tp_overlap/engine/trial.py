@@ -19,6 +19,7 @@ class Measurement:
     step_ms: list[float]
     elapsed_s: float  # agreed wall clock since tuning started, after this measurement
     steps_run: int  # steps actually executed, warmup included
+    wall_s: float = 0.0  # this trial's own wall seconds (switch, warm-up, steps), max over ranks; 0: not known
 
 
 class TrialFailed(RuntimeError):

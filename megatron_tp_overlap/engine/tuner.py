@@ -226,7 +226,8 @@ class Autotuner:
         elif error == 0 and not all(math.isfinite(v) for v in step_ms):
             error = 3.0 if ok else error
         self._trial_index += 1
-        flat = [v for s in slots for v in per_slot[s]] + list(step_ms) + [self.clock() - self._t0, error]
+        now = self.clock()
+        flat = [v for s in slots for v in per_slot[s]] + list(step_ms) + [now - t_trial, now - self._t0, error]
         agreed = agree_max(flat, self.group, self.timing_device)
         if agreed[-1] > 0:  # every rank raises together: nobody is left waiting in a collective
             why = self._FAILURES.get(int(agreed[-1]), "failed")
@@ -237,6 +238,7 @@ class Autotuner:
             step_ms=agreed[n : n + steps],
             elapsed_s=agreed[-2],
             steps_run=steps + warmup,
+            wall_s=agreed[-3],
         )
 
     # Allowed deviation from no overlap, as a multiple of the reference config's own deviation: any
