@@ -89,3 +89,36 @@ def test_concurrent_writers_leave_a_valid_entry(tmp_path):
     got = TunedConfigCache(tmp_path).get(KEY)
     assert got.ub == list(PRESETS.values())[got.meta["writer"] % len(PRESETS)]  # yaml and json from the same writer
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".") and p.name != ".lock"]  # no temp files left
+
+
+def test_a_reused_config_is_numerics_checked_once_and_dropped_when_it_fails(tmp_path):
+    """Megatron's reuse path (rank 0 reads the cache, every rank gets the answer): the cached config goes live only
+    after the numerics check passes in this run; a failing one puts the starting config back and tuning runs."""
+    import torch.distributed as dist
+
+    from megatron_tp_overlap.engine.space import TuningConfig
+    from megatron_tp_overlap.integrations.megatron.tuning import _reuse
+    from megatron_tp_overlap.ub.config import UbConfig
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        cache = TunedConfigCache(tmp_path / "cache")
+        preset = next(iter(PRESETS.values()))
+        cache.put(KEY, preset, frozenset({"fc2_wgrad"}), {"date": "2026-11-23"})
+        applied, logs = [], []
+
+        class Switcher:
+            def apply(self, c):
+                applied.append(c.label)
+
+        def check(verdict):
+            return lambda c: (verdict, Switcher())
+
+        out = tmp_path / "tuned.yaml"
+        assert _reuse(None, cache, KEY, UbConfig(), out, logs.append, check("rel. error 1.3 > 0.02")) is None
+        assert applied == ["reference"] and not out.exists() and "fails the numerics check" in logs[-1]
+        config, _ = _reuse(None, cache, KEY, UbConfig(), out, logs.append, check(None))
+        assert config == TuningConfig(preset, frozenset({"fc2_wgrad"})) and out.exists()
+        assert "numerics checked in this run" in logs[-1]
+    finally:
+        dist.destroy_process_group()

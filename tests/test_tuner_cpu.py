@@ -87,7 +87,11 @@ def _rank_main(rank: int, world: int, init_file: str, out_dir: str) -> None:
     fakes.STATE = te
     ub_runtime._te_base = lambda: te
     torch.manual_seed(0)
-    if rank == 1:  # this rank alone would prefer a different num_sm for the bulk GEMMs
+    if world == 4:  # TP=2 x DP=2 as Megatron lays it out; trials agree over WORLD (every rank runs every trial)
+        tp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+        assert dist.get_world_size(tp_groups[rank // 2]) == 2 and dist.get_world_size(dp_groups[rank % 2]) == 2
+    if rank == world - 1:  # this rank alone (the last; in the second DP replica at 4) would prefer another num_sm
         for g in ("qkv_dgrad", "qkv_wgrad", "fc1_dgrad", "fc1_wgrad"):
             fakes.PENALTY_MS[(g, "bulk", 8)] = 0.6
     tuner, _ = make_tuner(scale=2.0, options=SearchOptions(max_seconds=60, max_steps=3000))
@@ -104,13 +108,15 @@ def _rank_main(rank: int, world: int, init_file: str, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
-def test_ranks_agree_over_gloo(tmp_path):
+@pytest.mark.parametrize("world", [2, 4])
+def test_ranks_agree_over_gloo(tmp_path, world):
+    """TP=2, and TP=2 x DP=2: one rank's slower option is seen by every rank; every rank takes the same decisions."""
     mp.start_processes(
-        _rank_main, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True, start_method="spawn"
+        _rank_main, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world, join=True, start_method="spawn"
     )
-    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
-    assert r0 == r1
-    # MAX over ranks: rank 1's penalty on num_sm=8 is seen by both, so neither picks it
+    r0, *others = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world))
+    assert all(r == r0 for r in others)
+    # MAX over ranks: the last rank's penalty on num_sm=8 is seen by all, so none picks it
     for g in ("qkv_dgrad", "fc1_dgrad"):
         assert r0["best"]["ub_cfgs"].get(g, {}).get("num_sm") != 8
 
@@ -314,3 +320,11 @@ def test_ranks_holding_different_modules_are_refused_together_before_any_trial(t
     assert "ranks 0, 1: modules qkv(column), proj(row), fc1(column), fc2(row)" in message
     assert "ranks 2: modules qkv(column), proj(row)" in message and "ranks 3: modules none" in message
     assert all(o[1] == "0" for o in outcomes)  # no rank switched userbuffers configs: refused before any trial
+
+
+@pytest.mark.parametrize("seconds", [0.3, 1.0, 3.0])
+def test_the_time_budget_is_a_hard_cap_numerics_checks_and_the_final_switch_included(fake_te, seconds):
+    tuner, _ = make_tuner(options=SearchOptions(max_seconds=seconds, max_steps=100_000))
+    res = tuner.tune()
+    step_s = max(t.step_ms for t in res.search.trials if t.step_ms) / 1e3
+    assert res.wall_s <= seconds + step_s, (res.wall_s, step_s)

@@ -150,15 +150,23 @@ def tune(
     )
     cache = TunedConfigCache(options.cache_dir)
     init = run.init_args()
+    steps = MegatronSteps(model, forward_step_func, optimizer, data_iterator, run)
     if options.reuse:
-        found = _reuse(model, init, cache, key, reference, output, log)
+        found = _reuse(
+            init,
+            cache,
+            key,
+            reference,
+            output,
+            log,
+            lambda c: _check(model, steps, init, run, options, reference, trial_context, log, c),
+        )
         if found is not None:
             reused, switcher = found
-            tuned = Tuned(reused, data_iterator, output, flags_for(reused.ub, output)[0], reused=True)
+            tuned = Tuned(reused, steps.data_iterator, output, flags_for(reused.ub, output)[0], reused=True)
             tuned.verification = _verification(tuned, reference, switcher, options, key, cache, log)
             return tuned
 
-    steps = MegatronSteps(model, forward_step_func, optimizer, data_iterator, run)
     state_check = _state_check(model, optimizer, steps) if check_state else None
     t0 = time.perf_counter()
     result, switcher = _search(model, steps, init, run, options, reference, trial_context, log)
@@ -263,29 +271,11 @@ def _search(
     import torch
 
     from megatron_tp_overlap.engine.progress import TuningProgress
-    from megatron_tp_overlap.engine.search import SearchOptions, TrialFailed
-    from megatron_tp_overlap.engine.space import SpaceSpec
-    from megatron_tp_overlap.engine.tuner import Autotuner, TopologyMismatch
+    from megatron_tp_overlap.engine.search import TrialFailed
+    from megatron_tp_overlap.engine.tuner import TopologyMismatch
 
-    # Megatron builds every qkv/fc1 layer with bulk dgrad, or with GEMM+reduce-scatter dgrad under
-    # --tp-comm-overlap-rs-dgrad; the YAML cannot change that, so the search keeps to the run's mode
-    # (else the tuned YAML would not reproduce the tuned run).
-    spec = SpaceSpec(include_off=options.allow_off, include_rs_dgrad=run.rs_dgrad, include_bulk_dgrad=not run.rs_dgrad)
     progress = TuningProgress(enabled=torch.distributed.get_rank() == 0)
-    tuner = Autotuner(
-        model,
-        steps.step,
-        init,
-        reference=reference,
-        options=SearchOptions(strategy=options.strategy, max_steps=options.steps, max_seconds=options.seconds),
-        space_spec=spec,
-        verify_fn=steps.fingerprint,
-        verify_rtol=options.rtol,
-        allow_overlap_off=options.allow_off,
-        log=log,
-        progress=progress.update,
-        trial_timeout_s=options.trial_timeout,
-    )
+    tuner = _make_tuner(model, steps, init, run, options, reference, log, progress.update)
     steps.zero()
     signals: list[int] = []
     try:
@@ -309,6 +299,40 @@ def _search(
     finally:
         steps.zero()
         steps.snapshot.restore()
+
+
+def _make_tuner(
+    model: list,
+    steps: MegatronSteps,
+    init: Any,
+    run: RunShape,
+    options: TuneOptions,
+    reference: UbConfig,
+    log: Callable[..., None],
+    progress: Any = None,
+) -> Any:
+    from megatron_tp_overlap.engine.search import SearchOptions
+    from megatron_tp_overlap.engine.space import SpaceSpec
+    from megatron_tp_overlap.engine.tuner import Autotuner
+
+    # Megatron builds every qkv/fc1 layer with bulk dgrad, or with GEMM+reduce-scatter dgrad under
+    # --tp-comm-overlap-rs-dgrad; the YAML cannot change that, so the search keeps to the run's mode
+    # (else the tuned YAML would not reproduce the tuned run).
+    spec = SpaceSpec(include_off=options.allow_off, include_rs_dgrad=run.rs_dgrad, include_bulk_dgrad=not run.rs_dgrad)
+    return Autotuner(
+        model,
+        steps.step,
+        init,
+        reference=reference,
+        options=SearchOptions(strategy=options.strategy, max_steps=options.steps, max_seconds=options.seconds),
+        space_spec=spec,
+        verify_fn=steps.fingerprint,
+        verify_rtol=options.rtol,
+        allow_overlap_off=options.allow_off,
+        log=log,
+        progress=progress,
+        trial_timeout_s=options.trial_timeout,
+    )
 
 
 @contextlib.contextmanager
@@ -336,31 +360,57 @@ def interrupt_on_sigterm(seen: list[int] | None = None) -> Iterator[None]:
 
 
 def _reuse(
-    model: list, init: Any, cache: Any, key: Any, reference: UbConfig, output: Path, log: Callable[..., None]
+    init: Any, cache: Any, key: Any, reference: UbConfig, output: Path, log: Callable[..., None], check: Callable
 ) -> tuple[TuningConfig, Any] | None:
-    """The cached config for ``key``, applied, and the switcher that applied it; rank 0 reads the cache and every
-    rank gets its answer."""
+    """The cached config for ``key``, applied after it passed the numerics check (``check``), and the switcher that
+    applied it; rank 0 reads the cache and every rank gets its answer. None: nothing cached, or it failed the
+    check (the starting config is live again)."""
     import torch
-
-    from megatron_tp_overlap.engine.switcher import UbSwitcher
-    from megatron_tp_overlap.engine.topology import find_overlap_modules
 
     found = [cache.get(key) if torch.distributed.get_rank() == 0 else None]
     torch.distributed.broadcast_object_list(found, src=0)
     if found[0] is None:
         return None
     config = TuningConfig(found[0].ub, found[0].disabled, "reused")
-    switcher = UbSwitcher(
-        init, find_overlap_modules(model), barrier=torch.distributed.barrier, current=TuningConfig(reference)
-    )
-    switcher.apply(config)
+    bad, switcher = check(config)
+    if bad:
+        log(
+            f"{TAG} WARNING the cached config ({cache.root}) fails the numerics check in this run ({bad}): tuning again"
+        )
+        switcher.apply(TuningConfig(reference, frozenset(), "reference"))
+        return None
     if torch.distributed.get_rank() == 0:
         _write_yaml(output, config, {"reused_from": str(cache.root), **found[0].meta.get("tuned", {})}, log)
     log(
         f"{TAG} reusing the config tuned {found[0].meta.get('date', '')} for this GPU, shape, dtype and TE version "
-        f"({cache.root}): tuning skipped; wrote {output}"
+        f"({cache.root}), numerics checked in this run: tuning skipped; wrote {output}"
     )
     return config, switcher
+
+
+def _check(
+    model: list,
+    steps: MegatronSteps,
+    init: Any,
+    run: RunShape,
+    options: TuneOptions,
+    reference: UbConfig,
+    trial_context: Callable[[], ContextManager],
+    log: Callable[..., None],
+    config: TuningConfig,
+) -> tuple[str | None, Any]:
+    """The numerics check of ``config`` against no overlap (what tuning checks every candidate with); ``config`` is
+    live afterwards. (why it failed or None, the switcher)."""
+    tuner = _make_tuner(model, steps, init, run, options, reference, log)
+    try:
+        with trial_context():
+            bad = tuner.verify(config)
+        if not bad:
+            tuner.switcher.apply(config)
+    finally:
+        steps.zero()
+        steps.snapshot.restore()
+    return bad, tuner.switcher
 
 
 def _write_yaml(path: Path, config: TuningConfig, meta: dict[str, Any], log: Callable[..., None]) -> bool:
