@@ -320,6 +320,13 @@ class Searcher:
         cont: list[Contender] = [Contender(n, c) for n, c in baselines.items()]
         if all(tuned != c.config for c in cont):
             cont.insert(0, Contender(tuned.label or "autotuned", tuned))
+        # the winner so far with a whole kind of overlap switched off (a flag the user can set, e.g. Megatron's
+        # --no-tp-comm-overlap-ag): cheaper overlap can lose to none where the GEMM is too small to hide anything
+        for name, gemms in self.switch_sets.items():
+            off = frozenset(gemms & self.topo.active)
+            v = TuningConfig(tuned.ub, tuned.disabled | off, f"{tuned.label or 'autotuned'}, {name} off")
+            if off and not off <= tuned.disabled and all(v != c.config for c in cont) and is_valid(v, self.ctx):
+                cont.append(Contender(v.label, v))
         ref = next((c for c in cont if c.name == "reference"), cont[0])
         others = [c for c in cont if c is not ref]
         # 1. selection: every contender once, the reference bracketing them (drift interpolated away)
@@ -518,6 +525,7 @@ class Searcher:
         }
 
     report_only: frozenset[str] = frozenset()  # contenders measured for the report but never chosen
+    switch_sets: dict[str, frozenset[str]] = {}  # noqa: RUF012 - named GEMM sets a user can switch off as a whole
 
     def run(self, reference: TuningConfig, baselines: dict[str, TuningConfig]) -> SearchResult:
         from megatron_tp_overlap.engine import exhaustive

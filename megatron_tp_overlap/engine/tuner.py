@@ -95,7 +95,10 @@ class Autotuner:
     timing_device: str = "cuda"
     verify_fn: Callable[[], torch.Tensor] | None = None  # fingerprint of one step (numerics.Fingerprint)
     verify_rtol: float = 2e-2  # bf16: relative L2 error against the no-overlap reference
-    allow_overlap_off: bool = True  # False: "no overlap" is measured for the report but never chosen
+    allow_overlap_off: bool = True  # per-GEMM "no overlap" options in the space (a module flag no YAML can say)
+    no_overlap_eligible: bool = True  # False: "no overlap" (the whole config) is measured for the report only
+    switch_sets: dict[str, frozenset[str]] = field(default_factory=dict)  # GEMM sets the user can switch off
+    # as a whole (Megatron's per-kind flags): tried on the winner in the final decision
     trial_timeout_s: float = 120.0  # a trial slower than this is rejected (checked when it returns)
     faults: list = field(default_factory=lambda: faults_from_env())  # reliability tests only
     gemms: set[str] | None = None  # tune only these GEMMs (others keep the reference's setting)
@@ -397,7 +400,8 @@ class Autotuner:
             verify=self.verify if self.verify_fn is not None else None,
             elapsed=lambda: self._agreed_elapsed,
         )
-        searcher.report_only = frozenset(outside_mode | (set() if self.allow_overlap_off else {"no overlap"}))
+        searcher.report_only = frozenset(outside_mode | (set() if self.no_overlap_eligible else {"no overlap"}))
+        searcher.switch_sets = dict(self.switch_sets)
         result = searcher.run(reference, baselines)
         self.switcher.apply(result.best)
         wall = self.clock() - t0

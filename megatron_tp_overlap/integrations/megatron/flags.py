@@ -5,6 +5,7 @@ that reproduce a tuned config (the recipe). Pure: CPU-testable without Megatron.
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -120,3 +121,81 @@ def flags_for(ub: UbConfig, yaml_path: str | Path) -> tuple[list[str], str | Non
             "this config needs both modes"
         )
     return flags, None
+
+
+@dataclass(frozen=True)
+class KindSwitch:
+    """A whole kind of TP overlap that megatron-core switches off in every layer (``TransformerConfig`` field, also a
+    Megatron-Bridge model-config field), and the Megatron-LM flag that does it."""
+
+    field: str
+    flag: str
+    gemms: frozenset[str]
+
+
+KIND_SWITCHES: dict[str, KindSwitch] = {  # megatron-core 0.19 (extensions/transformer_engine.py; TE Linear flags)
+    "AG overlap": KindSwitch(
+        "tp_comm_overlap_ag",
+        "--no-tp-comm-overlap-ag",
+        frozenset({"qkv_fprop", "fc1_fprop", "proj_dgrad", "proj_wgrad", "fc2_dgrad", "fc2_wgrad"}),
+    ),
+    "RS overlap": KindSwitch("tp_comm_overlap_rs", "--no-tp-comm-overlap-rs", frozenset({"proj_fprop", "fc2_fprop"})),
+    "bulk dgrad": KindSwitch("tp_comm_bulk_dgrad", "--no-tp-comm-bulk-dgrad", frozenset({"qkv_dgrad", "fc1_dgrad"})),
+    "bulk wgrad": KindSwitch("tp_comm_bulk_wgrad", "--no-tp-comm-bulk-wgrad", frozenset({"qkv_wgrad", "fc1_wgrad"})),
+}
+
+
+def switch_sets(rs_dgrad: bool) -> dict[str, frozenset[str]]:
+    """The GEMM sets a Megatron-LM run can switch off as a whole (for the search). Under
+    ``--tp-comm-overlap-rs-dgrad`` the bulk flags do not reach qkv/fc1 dgrad (it is a reduce-scatter then)."""
+    return {n: k.gemms for n, k in KIND_SWITCHES.items() if not (rs_dgrad and n == "bulk dgrad")}
+
+
+@dataclass
+class Recipe:
+    """What reproduces a tuned config in a fresh run: the YAML, the flags to add and to drop, the
+    ``TransformerConfig`` / Megatron-Bridge fields, and why it cannot be reproduced (or None)."""
+
+    yaml: str
+    add: list[str]
+    drop: list[str]
+    fields: dict[str, Any]
+    problem: Optional[str] = None
+
+    def line(self) -> str:
+        """One line to paste."""
+        parts = [" ".join(self.add)] if self.add else []
+        if self.drop:
+            parts.append(f"and drop {' '.join(self.drop)}")
+        return " ".join(parts) if parts else "nothing to change"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "yaml": self.yaml,
+            "add_flags": self.add,
+            "drop_flags": self.drop,
+            "transformer_config": self.fields,
+            "line": self.line(),
+            "problem": self.problem,
+        }
+
+
+def recipe(ub: UbConfig, disabled: frozenset[str], active: frozenset[str], yaml_path: str | Path) -> Recipe:
+    """The recipe of ``ub`` with the GEMMs in ``disabled`` switched off, in a run that overlaps ``active``."""
+    off = disabled & active
+    if active and off == active:  # no overlap at all: the run needs no userbuffers
+        return Recipe("", [], ["--tp-comm-overlap", "--tp-comm-overlap-cfg"], {"tp_comm_overlap": False})
+    add, problem = flags_for(ub, yaml_path)
+    fields: dict[str, Any] = {"tp_comm_overlap": True, "tp_comm_overlap_cfg": str(yaml_path)}
+    if "--tp-comm-overlap-rs-dgrad" in add:
+        fields["tp_comm_overlap_rs_dgrad"] = True
+    covered: set[str] = set()
+    for k in KIND_SWITCHES.values():
+        if k.gemms & active and k.gemms & active <= off:
+            add.append(k.flag)
+            fields[k.field] = False
+            covered |= k.gemms & active
+    if off - covered:
+        why = f"overlap off for {', '.join(sorted(off - covered))} alone: no Megatron flag or YAML key says that"
+        problem = f"{problem}; {why}" if problem else why
+    return Recipe(str(yaml_path), add, [], fields, problem)

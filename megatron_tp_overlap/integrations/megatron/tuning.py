@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 from megatron_tp_overlap.engine.options import TuneOptions
 from megatron_tp_overlap.engine.space import TuningConfig
-from megatron_tp_overlap.integrations.megatron.flags import flags_for
+from megatron_tp_overlap.integrations.megatron.flags import Recipe, recipe, switch_sets
 from megatron_tp_overlap.integrations.megatron.replay import attach_replay
 from megatron_tp_overlap.integrations.megatron.run_shape import RunShape
 from megatron_tp_overlap.ub.config import UbConfig
@@ -34,11 +34,12 @@ class Tuned:
     config: TuningConfig
     data_iterator: Any
     yaml_path: Path
-    flags: list[str]  # the Megatron-LM flags that reproduce ``config``
+    recipe: Recipe  # what reproduces ``config`` in a fresh run (YAML, flags to add and drop, config fields)
     result: Any = None  # engine TuneResult; None when a cached config was reused or tuning fell back
     reused: bool = False
     notes: list[str] = field(default_factory=list)
     verification: Any = None  # engine.verify.InRunVerification the training loop drives; None: nothing to verify
+    model: Any = None  # the model chunks (for the recipe of a config the verification goes back to)
 
 
 class MegatronSteps:
@@ -146,7 +147,7 @@ def tune(
         torch.cuda.get_device_name(),
         transformer_engine.__version__,
         config_digest(reference),
-        "allow_off" if options.allow_off else "yaml_only",
+        ("allow_off" if options.allow_off else "yaml_only") + "+kind_switches+no_overlap",
     )
     cache = TunedConfigCache(options.cache_dir)
     init = run.init_args()
@@ -163,7 +164,7 @@ def tune(
         )
         if found is not None:
             reused, switcher = found
-            tuned = Tuned(reused, steps.data_iterator, output, flags_for(reused.ub, output)[0], reused=True)
+            tuned = Tuned(reused, steps.data_iterator, output, _recipe(reused, model, output), reused=True, model=model)
             tuned.verification = _verification(tuned, reference, switcher, options, key, cache, log)
             return tuned
 
@@ -174,8 +175,9 @@ def tune(
         result.best if result else TuningConfig(reference, frozenset(), "reference"),
         steps.data_iterator,
         output,
-        [],
+        Recipe(str(output), [], [], {}),
         result,
+        model=model,
     )
     if result is None:
         tuned.notes.append("tuning failed: training with the starting config")
@@ -183,7 +185,7 @@ def tune(
         log(result.summary)
         if state_check is not None:
             result.report["state_check"] = _verdict(state_check, log)
-    tuned.flags, _ = flags_for(tuned.config.ub, output)  # the search kept to this run's dgrad mode
+    tuned.recipe = _recipe(tuned.config, model, output)  # the search kept to this run's dgrad mode
     _write_outputs(tuned, key, cache, time.perf_counter() - t0, log)
     _tensorboard(result)
     tuned.verification = _verification(tuned, reference, switcher, options, key, cache, log)
@@ -212,10 +214,12 @@ def _verification(
             return
         _update_report(tuned.yaml_path, {"in_run_verification": v.to_dict()}, log)
         if v.reverted:
-            flags, _ = flags_for(v.keep.ub, tuned.yaml_path)
+            tuned.recipe = _recipe(v.keep, tuned.model, tuned.yaml_path)
             meta = {**_key_meta(key), "chosen": "reference (the in-run verification found no gain)"}
             if _write_yaml(tuned.yaml_path, v.keep, meta, log):
-                log(f"{TAG} rewrote {tuned.yaml_path} with the starting config; reproduce with: {' '.join(flags)}")
+                _write_recipe(tuned.yaml_path, tuned.recipe, log)
+                _update_report(tuned.yaml_path, {"recipe": tuned.recipe.to_dict()}, log)
+                log(f"{TAG} rewrote {tuned.yaml_path} with the starting config; reproduce with: {tuned.recipe.line()}")
             try:
                 cache.put(key, v.keep.ub, v.keep.disabled, {"tuned": {"chosen": "reference (in-run verification)"}})
             except OSError as e:
@@ -235,6 +239,35 @@ def _verification(
         on_verdict=on_verdict,
         log=log,
     )
+
+
+def _recipe(config: TuningConfig, model: list, output: Path) -> Recipe:
+    from megatron_tp_overlap.engine.topology import build_topology, find_overlap_modules
+
+    active = build_topology(find_overlap_modules(model)).active
+    return recipe(config.ub, config.disabled, frozenset(active), output)
+
+
+def recipe_path(yaml_path: Path) -> Path:
+    return yaml_path.with_suffix(".recipe.txt")
+
+
+def _write_recipe(yaml_path: Path, r: Recipe, log: Callable) -> None:
+    """``<output minus .yaml>.recipe.txt``: the flags line to paste, and the config fields for Megatron-Bridge / NeMo."""
+    from megatron_tp_overlap.atomic import atomic_write_text
+
+    lines = [
+        "# Megatron-LM flags (add; drop where it says so):",
+        r.line(),
+        "# megatron-core TransformerConfig / Megatron-Bridge model config / NeMo 2 model config fields:",
+        *(f"{k} = {v!r}" for k, v in r.fields.items()),
+    ]
+    if r.problem:
+        lines.append(f"# cannot be fully reproduced: {r.problem}")
+    try:
+        atomic_write_text(recipe_path(yaml_path), "\n".join(lines) + "\n")
+    except OSError as e:
+        log(f"{TAG} WARNING could not write {recipe_path(yaml_path)} ({e}); the recipe is: {r.line()}")
 
 
 def _key_meta(key: Any) -> dict[str, Any]:
@@ -332,6 +365,7 @@ def _make_tuner(
         log=log,
         progress=progress,
         trial_timeout_s=options.trial_timeout,
+        switch_sets=switch_sets(run.rs_dgrad),
     )
 
 
@@ -445,7 +479,7 @@ def _write_outputs(tuned: Tuned, key: Any, cache: Any, wall_s: float, log: Calla
         try:
             write_report(
                 out.with_suffix(".report.json"),
-                {**res.report, "tuning_key": asdict(key), "megatron_flags": tuned.flags, "notes": tuned.notes},
+                {**res.report, "tuning_key": asdict(key), "recipe": tuned.recipe.to_dict(), "notes": tuned.notes},
             )
             cache.put(
                 key,
@@ -456,7 +490,10 @@ def _write_outputs(tuned: Tuned, key: Any, cache: Any, wall_s: float, log: Calla
         except OSError as e:
             log(f"{TAG} WARNING could not write the report or the cache entry: {e}")
     if ok:
-        log(f"{TAG} wrote {out} ({tuned.config.label}; {wall_s:.1f} s); reproduce with: {' '.join(tuned.flags)}")
+        _write_recipe(out, tuned.recipe, log)
+        log(f"{TAG} wrote {out} ({tuned.config.label}; {wall_s:.1f} s); reproduce with: {tuned.recipe.line()}")
+        if tuned.recipe.problem:
+            log(f"{TAG} WARNING the tuned config cannot be fully reproduced from flags: {tuned.recipe.problem}")
 
 
 def _state_check(model: list, optimizer: Any, steps: MegatronSteps) -> Any:
