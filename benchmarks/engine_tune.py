@@ -73,9 +73,15 @@ def flag_kernel_check(model, step, sw, topo, reference, no_overlap) -> dict:
     """Show that TE follows the module flags set between steps: for each GEMM switched off alone,
     the step's userbuffers kernels/copies drop and NCCL kernels appear."""
     from megatron_tp_overlap.engine.space import TuningConfig
+    from megatron_tp_overlap.integrations.megatron.flags import KIND_SWITCHES
 
     out = {}
-    for name, cfg in [("all on (TE default)", reference), ("all off", no_overlap)] + [
+    kinds = [
+        (f"kind off: {n}", TuningConfig(reference.ub, frozenset(k.gemms & topo.active)))
+        for n, k in KIND_SWITCHES.items()
+        if k.gemms & topo.active
+    ]
+    for name, cfg in [("all on (TE default)", reference), ("all off", no_overlap), *kinds] + [
         (
             f"off: {','.join(sorted(topo.coupled(g) or {g}))}",
             TuningConfig(reference.ub, frozenset(topo.coupled(g) or {g})),

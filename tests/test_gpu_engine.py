@@ -39,11 +39,20 @@ def test_engine_tunes_switches_and_matches_no_overlap(tmp_path):
         "1",
         "--extra-switches",
         "20",
+        "--check-flags",
         "--out",
         str(tmp_path),
     ]
     subprocess.run(cmd, check=True, timeout=600, cwd=ROOT)
     d = json.loads((tmp_path / "engine_tp2.json").read_text())
+    # each per-kind switch the search may choose really changes the kernels that run (torch profiler): fewer
+    # userbuffers kernels, more NCCL ones than with every kind on
+    k = d["flag_kernel_check"]
+    on = k["all on (TE default)"]
+    for name in ("AG overlap", "RS overlap", "bulk dgrad", "bulk wgrad"):
+        off = k[f"kind off: {name}"]
+        assert off["userbuffers"] + off["p2p_memcpy"] < on["userbuffers"] + on["p2p_memcpy"], (name, off, on)
+        assert off["nccl"] > on["nccl"], (name, off, on)
     assert d["numerics"]["passed"], d["numerics"]["worst"]
     assert d["extra_switches"] >= 20 and d["tuning_switches"] >= 1
     assert d["stale_guard"]["refused"], "a switch with a live autograd graph must be refused"
