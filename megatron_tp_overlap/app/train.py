@@ -177,20 +177,24 @@ def summarize(run_dir: Path, tuned_yaml: Path) -> None:
     last line."""
     step_ms = iteration_times(run_dir)
     report = tuned_yaml.with_suffix(".report.json")
+    verified = 0  # iterations of the in-run verification (they switch configs): not steady state
     if report.exists():
         from megatron_tp_overlap.atomic import atomic_write_text
 
         data = json.loads(report.read_text())
         data["model"] = json.loads((run_dir / "model.json").read_text())
+        verified = (data.get("in_run_verification") or {}).get("iterations", 0) + 1
         atomic_write_text(report, json.dumps(data, indent=1, default=str) + "\n")
         from megatron_tp_overlap.tools.plots import plot_report
 
         print(f"{TAG} plot: {plot_report(data, run_dir / 'tp_overlap.png', step_ms=step_ms[1:])}")
-    if step_ms:
-        tail = sorted(step_ms[len(step_ms) // 5 :])
+    steady = step_ms[verified:] if len(step_ms) > verified else step_ms
+    if steady:
+        tail = sorted(steady[len(steady) // 5 :])
+        after = f" (after the {verified} iterations of the in-run verification)" if verified else ""
         print(
-            f"{TAG} {len(step_ms) + 1} iterations; median time between iterations {tail[len(tail) // 2]:.1f} ms; "
-            f"outputs in {run_dir}"
+            f"{TAG} {len(step_ms) + 1} iterations; median time between iterations{after} {tail[len(tail) // 2]:.1f} "
+            f"ms; outputs in {run_dir}"
         )
 
 
