@@ -89,7 +89,7 @@ def test_space_is_valid_deduplicated_and_has_off():
         assert all(is_valid(apply(TuningConfig(), o, t), CTX) for o in opts)
     # TE default (no entry) and an explicit ring_exchange without aggregate are the same option.
     ring = [o for o in space["qkv_fprop"] if o.enabled]
-    assert len(ring) == 3
+    assert len(ring) == 5  # TE default, aggregate, margin, and the two SM-copy (use_ce=False) variants
     assert "proj_wgrad" not in space
 
 
@@ -149,3 +149,21 @@ def test_dgrad_mode_option_names_the_spaces_megatron_can_run():
     with pytest.raises(ValueError, match="dgrad mode must be one of any, bulk, reduce-scatter"):
         space_spec_for_dgrad_mode("rs")
     assert set(DGRAD_MODES) == {"any", "bulk", "reduce-scatter"}
+
+
+def test_the_space_tries_the_te_knobs_the_yaml_carries():
+    from megatron_tp_overlap.engine.space import SpaceSpec, build_space
+    from megatron_tp_overlap.engine.topology import build_topology, find_overlap_modules
+    from megatron_tp_overlap.ub.rules import ValidationContext
+
+    topo = build_topology(find_overlap_modules(fakes.fake_model(1)))
+    for fp8 in (False, True):
+        space = build_space(topo, ValidationContext(sm_count=132, tp_size=2, fp8=fp8), [UbConfig()])
+        labels = {g: [o.label for o in opts] for g, opts in space.items()}
+        assert any("no_ce" in x for x in labels["qkv_fprop"])
+        assert any("pipeline_rs_overlap_first_gemm" in x for x in labels["proj_fprop"])
+        assert any("fp8_buf" in x for x in labels["fc2_fprop"]) == fp8  # an FP8-only knob
+        off = build_space(
+            topo, ValidationContext(sm_count=132, tp_size=2, fp8=fp8), [UbConfig()], SpaceSpec(include_knobs=False)
+        )
+        assert sum(map(len, off.values())) < sum(map(len, space.values()))

@@ -109,6 +109,10 @@ class SpaceSpec:
     # False where the modules' construction flags fix bulk vs reduce-scatter dgrad and the result
     # must be a YAML alone (Megatron: --tp-comm-overlap-rs-dgrad decides it for every layer).
     include_bulk_dgrad: bool = True
+    # TE knobs the YAML carries beyond method/num_sm/splits/cga/margin/aggregate: SM-driven ring copies
+    # (use_ce=False), the first pipelined reduce-scatter chunk overlapped (pipeline_rs_overlap_first_gemm),
+    # and in FP8 the FP8 communication buffer of a pipelined reduce-scatter (fp8_buf)
+    include_knobs: bool = True
 
 
 # ``--dgrad-mode`` of the sweep and the layer bench -> (include_rs_dgrad, include_bulk_dgrad). Megatron-LM runs
@@ -135,25 +139,35 @@ def allows_dgrad_mode(spec: SpaceSpec, ub: UbConfig, gemm: str) -> bool:
     return spec.include_rs_dgrad if ub.dgrad_is_reduce_scatter(gemm) else spec.include_bulk_dgrad
 
 
-def _grid(gemm: str, spec: SpaceSpec) -> list[GemmOverlapConfig]:
+def _grid(gemm: str, spec: SpaceSpec, fp8: bool = False) -> list[GemmOverlapConfig]:
     G = GemmOverlapConfig
     if gemm in AG_GEMMS:
+        knobs = [G(method="ring_exchange", use_ce=False), G(method="ring_exchange", aggregate=True, use_ce=False)]
         return [
             G(method="ring_exchange", aggregate=False),
             G(method="ring_exchange", aggregate=True),
             G(method="ring_exchange", set_sm_margin=True),
-        ]
+        ] + (knobs if spec.include_knobs else [])
     if gemm in RS_GEMMS:
         pipe = [
             G(method="pipeline", num_sm=s, num_splits=k, cga_size=2, set_sm_margin=True)
             for s in spec.pipeline_num_sm
             for k in spec.pipeline_num_splits
         ]
-        return pipe + [
-            G(method="ring_exchange", set_sm_margin=True),
-            G(method="ring_exchange", set_sm_margin=False),
-            G(method="ring_exchange", aggregate=True, set_sm_margin=True),
+        knobs = [
+            G(method="pipeline", num_sm=s, num_splits=4, cga_size=2, set_sm_margin=True, **kw)
+            for s in (16, 24)
+            for kw in ({"pipeline_rs_overlap_first_gemm": True}, *([{"fp8_buf": True}] if fp8 else []))
         ]
+        return (
+            pipe
+            + (knobs if spec.include_knobs else [])
+            + [
+                G(method="ring_exchange", set_sm_margin=True),
+                G(method="ring_exchange", set_sm_margin=False),
+                G(method="ring_exchange", aggregate=True, set_sm_margin=True),
+            ]
+        )
     if gemm in BULK_DGRAD_GEMMS:
         out = [G(method="bulk", num_sm=s, cga_size=2, set_sm_margin=False) for s in spec.bulk_num_sm if s <= 24]
         if spec.include_rs_dgrad:
@@ -176,7 +190,9 @@ def build_space(
     for gemm in (g for g in topo.active if topo.tunable(g)):
         seen: set[tuple] = set()
         opts: list[Option] = []
-        candidates = [Option(gemm, p.get(gemm)) for p in priors] + [Option(gemm, c) for c in _grid(gemm, spec)]
+        candidates = [Option(gemm, p.get(gemm)) for p in priors] + [
+            Option(gemm, c) for c in _grid(gemm, spec, bool(ctx.fp8))
+        ]
         if spec.include_off:
             candidates.append(Option(gemm, enabled=False))
         for opt in candidates:
