@@ -35,7 +35,7 @@ class SearchOptions:
     strategy: str = TuneOptions.strategy  # one of STRATEGIES
     max_steps: int = TuneOptions.steps  # trial steps in all, warmups and confirmation included
     max_seconds: float = TuneOptions.seconds
-    screen_steps: int = 2  # measured steps per screening trial
+    screen_steps: int = 3  # measured steps per screening trial (3: the median ignores one slow step)
     warmup_steps: int = 1  # after each switch
     keep: int = 2  # options per GEMM that survive screening
     halving_steps: int = 4
