@@ -147,7 +147,9 @@ def tune(
         torch.cuda.get_device_name(),
         transformer_engine.__version__,
         config_digest(reference),
-        ("allow_off" if options.allow_off else "yaml_only") + "+kind_switches+no_overlap",
+        ("allow_off" if options.allow_off else "yaml_only")
+        + "+kind_switches+no_overlap+overlapped:"
+        + ",".join(sorted(_active(model))),  # flags like --no-tp-comm-bulk-wgrad change what is overlapped
     )
     cache = TunedConfigCache(options.cache_dir)
     init = run.init_args()
@@ -241,11 +243,18 @@ def _verification(
     )
 
 
-def _recipe(config: TuningConfig, model: list, output: Path) -> Recipe:
+def _active(model: list) -> frozenset[str]:
+    """The GEMMs the model's TE modules overlap, as built (the run's flags decide)."""
     from megatron_tp_overlap.engine.topology import build_topology, find_overlap_modules
 
-    active = build_topology(find_overlap_modules(model)).active
-    return recipe(config.ub, config.disabled, frozenset(active), output)
+    try:
+        return frozenset(build_topology(find_overlap_modules(model)).active)
+    except ValueError:  # no overlap module on this rank (a pipeline stage)
+        return frozenset()
+
+
+def _recipe(config: TuningConfig, model: list, output: Path) -> Recipe:
+    return recipe(config.ub, config.disabled, _active(model), output)
 
 
 def recipe_path(yaml_path: Path) -> Path:
