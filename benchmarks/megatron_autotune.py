@@ -103,7 +103,11 @@ def main() -> None:
     p.add_argument("--global-batch", type=int, default=4)
     p.add_argument("--iters", type=int, default=25)
     p.add_argument("--budget-s", type=float, default=TuneOptions.seconds)
-    p.add_argument("--runs", default="autotune,tuned_yaml,te_default,no_overlap")
+    p.add_argument(
+        "--runs",
+        default="autotune,tuned_yaml,te_default,no_overlap",
+        help="comma list of autotune, tuned_yaml, recipe (flags from the report), te_default, no_overlap",
+    )
     p.add_argument("--tag", default="")
     p.add_argument(
         "--deterministic",
@@ -139,6 +143,10 @@ def main() -> None:
     results = {}
     for run in a.runs.split(","):  # "tuned_yaml.2": a second identical run (run-to-run determinism)
         kind = run.split(".")[0]
+        if kind == "recipe":  # a fresh run from the recipe alone (flags to add and drop, the YAML), no tuning
+            rep = json.loads(tuned.with_suffix(".report.json").read_text())["recipe"]
+            extra["recipe"] = list(rep["add_flags"])
+            print(f"[{a.tag or 'run'}] recipe run with: {rep['line']}", flush=True)
         loss_log = out / f"losses_{tag}_{run}"
         for f in out.glob(loss_log.name + ".rank*"):
             f.unlink()
