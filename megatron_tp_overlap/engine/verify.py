@@ -31,6 +31,7 @@ class Verdict:
     tuned_ms: float
     iterations: int
     message: str
+    switch_s_median: float | None = None  # seconds per config switch between iterations (outside their times)
 
     @property
     def reverted(self) -> bool:
@@ -45,6 +46,7 @@ class Verdict:
             "tuned_iter_ms": round(self.tuned_ms, 3),
             **self.interval.to_dict(),
             "level": self.interval.level,
+            "switch_s_median": None if self.switch_s_median is None else round(self.switch_s_median, 3),
             "message": self.message,
         }
 
@@ -113,6 +115,7 @@ class InRunVerification:
         if len(self.times_ms) < len(self.order):
             return None
         self.verdict = self._decide(self.agree(self.times_ms))
+        self.verdict.switch_s_median = statistics.median(self.switch_s) if self.switch_s else None
         if self.verdict.keep != self._live:
             self.apply(self.verdict.keep)
             self._live = self.verdict.keep
