@@ -49,12 +49,14 @@ def bridge(monkeypatch):
         "megatron.bridge.training": types.ModuleType("megatron.bridge.training"),
         "megatron.bridge.training.comm_overlap": types.ModuleType("megatron.bridge.training.comm_overlap"),
         "megatron.bridge.training.pretrain": types.ModuleType("megatron.bridge.training.pretrain"),
+        "megatron.bridge.training.train": types.ModuleType("megatron.bridge.training.train"),
         "megatron.bridge.training.initialize": types.ModuleType("megatron.bridge.training.initialize"),
         "megatron.bridge.training.utils": types.ModuleType("megatron.bridge.training.utils"),
         "megatron.bridge.training.utils.train_utils": types.ModuleType("megatron.bridge.training.utils.train_utils"),
     }
     mods["megatron.bridge.training.comm_overlap"].CommOverlapConfig = CommOverlapConfig
     mods["megatron.bridge.training.pretrain"].train = train
+    mods["megatron.bridge.training.train"].train_step = lambda *a, **k: None
     mods["megatron.bridge.training.initialize"].compile_helpers = lambda: calls.update(make=True)
     mods["megatron.bridge.training.utils.train_utils"].prepare_forward_step_func = lambda f, state: ("wrapped", f)
     for name, mod in mods.items():

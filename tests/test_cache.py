@@ -115,9 +115,9 @@ def test_a_reused_config_is_numerics_checked_once_and_dropped_when_it_fails(tmp_
             return lambda c: (verdict, Switcher())
 
         out = tmp_path / "tuned.yaml"
-        assert _reuse(None, cache, KEY, UbConfig(), out, logs.append, check("rel. error 1.3 > 0.02")) is None
+        assert _reuse(cache, KEY, UbConfig(), out, logs.append, check("rel. error 1.3 > 0.02")) is None
         assert applied == ["reference"] and not out.exists() and "fails the numerics check" in logs[-1]
-        config, _ = _reuse(None, cache, KEY, UbConfig(), out, logs.append, check(None))
+        config, _ = _reuse(cache, KEY, UbConfig(), out, logs.append, check(None))
         assert config == TuningConfig(preset, frozenset({"fc2_wgrad"})) and out.exists()
         assert "numerics checked in this run" in logs[-1]
     finally:

@@ -11,7 +11,6 @@ from megatron_tp_overlap.engine.search import (
     SearchOptions,
     TrialFailed,
     pooled_sigma,
-    significant_gain,
 )
 from megatron_tp_overlap.engine.space import TuningConfig, all_off, apply, build_space
 from megatron_tp_overlap.engine.topology import build_topology, find_overlap_modules
@@ -161,8 +160,8 @@ def test_failing_trials_are_isolated_and_skipped():
 
 def test_noise_statistics():
     assert pooled_sigma([[1.0, 1.0, 1.0], [2.0, 2.0]]) == 0.0
-    gain, thr = significant_gain([10.0] * 4, [9.0] * 4, sigma=0.1, z=2.0, rel_floor=0.002)
-    assert gain == pytest.approx(1.0) and thr == pytest.approx(max(2 * 0.1 * (0.5**0.5), 0.02))
+    # pairs: residuals +-1 to their own centre, scaled by sqrt(2) (they understate the spread of a pair)
+    assert pooled_sigma([[1.0, 3.0], [5.0, 7.0]]) == pytest.approx(1.4826 * 2**0.5)
 
 
 def test_options_are_validated():

@@ -73,9 +73,7 @@ class TuneOptions:
                 p.append(f"{n} = {v!r}: must be a number")
             elif f.type == "int" and v < f.metadata.get("min", 1):
                 p.append(f"{n} = {v}: must be >= {f.metadata.get('min', 1)}")
-            elif f.type == "int":
-                pass
-            elif numeric and not (math.isfinite(v) and v > 0):
+            elif f.type == "float" and not (math.isfinite(v) and v > 0):
                 p.append(f"{n} = {v}: must be a finite number > 0")
             elif "max" in f.metadata and v > f.metadata["max"]:
                 p.append(f"{n} = {v}: must be <= {f.metadata['max']}")

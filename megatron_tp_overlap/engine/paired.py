@@ -22,6 +22,7 @@ from functools import lru_cache
 
 A, B = 0, 1
 QUAD = (A, B, B, A)
+MIN_PAIRS = 6  # the fewest pairs (quadruples) whose signed-rank test can give a 95% interval
 
 
 def abba(quads: int) -> list[int]:
@@ -41,10 +42,9 @@ def runs(order: Sequence[int]) -> list[tuple[int, int]]:
     return out
 
 
-def quad_gains(blocks: Sequence[float], order: Sequence[int] | None = None) -> list[float]:
-    """Per complete quadruple, ``mean(A) - mean(B)`` (positive: B is faster) of the block values ``blocks``
-    (in the order of :func:`abba`)."""
-    order = list(order) if order is not None else abba(len(blocks) // 4 + 1)
+def quad_gains(blocks: Sequence[float], order: Sequence[int]) -> list[float]:
+    """Per complete quadruple, ``mean(A) - mean(B)`` (positive: B is faster) of the block values ``blocks`` run in
+    ``order`` (:func:`abba`)."""
     out = []
     for q in range(len(blocks) // 4):
         a = [blocks[4 * q + i] for i in range(4) if order[4 * q + i] == A]

@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 from megatron_tp_overlap.engine import paired
 from megatron_tp_overlap.engine.space import Option, TuningConfig, apply, is_valid
-from megatron_tp_overlap.engine.stats import pooled_sigma, rotated, significant_gain  # noqa: F401
+from megatron_tp_overlap.engine.stats import pooled_sigma
 from megatron_tp_overlap.engine.topology import Topology
 from megatron_tp_overlap.engine.trial import (  # noqa: F401
     Contender,
@@ -220,7 +220,7 @@ class Searcher:
             self._incumbent_trials(incumbent),
             lambda t: statistics.median(v) if (v := self._score(t.slot_samples, slots)) else None,
         )
-        return [v - track(t.position) for t, score in entries for v in score if track(t.position) == track(t.position)]
+        return [v - track(t.position) for t, score in entries for v in score if not math.isnan(track(t.position))]
 
     def _incumbent_level(self, incumbent: TuningConfig, opt: Option) -> float:
         vals = [
@@ -344,7 +344,7 @@ class Searcher:
         for c in others:
             pts = [t for t in self.trials if t.phase == "select" and t.tested.get("*") == c.name and not t.error]
             vals = [v - track(t.position) for t in pts if (v := self._slot_sum(t)) is not None]
-            if vals and track(0.0) == track(0.0):  # not NaN: the reference was measured
+            if vals and not math.isnan(track(0.0)):  # the reference was measured
                 sel[c.name] = statistics.median(vals)  # ms over the reference at the same moment
         if not ref.samples:
             raise TrialFailed("the reference config could not be measured (every trial failed)")

@@ -20,20 +20,3 @@ def pooled_sigma(groups: Sequence[Sequence[float]]) -> float:
     sqrt(g / (g - 1)): residuals to a group's own centre understate the spread, by a third for pairs)."""
     resid = [(v - statistics.median(g)) * math.sqrt(len(g) / (len(g) - 1)) for g in groups if len(g) >= 2 for v in g]
     return robust_sigma(resid) if len(resid) >= 2 else 0.0
-
-
-def significant_gain(
-    base: Sequence[float], cand: Sequence[float], sigma: float, z: float, rel_floor: float
-) -> tuple[float, float]:
-    """(gain, threshold) in the units of the samples: gain = median(base) - median(cand)."""
-    gain = statistics.median(base) - statistics.median(cand)
-    se = sigma * math.sqrt(1.0 / max(len(base), 1) + 1.0 / max(len(cand), 1))
-    return gain, max(z * se, rel_floor * statistics.median(base))
-
-
-def rotated(items: list, r: int) -> list:
-    """``items`` rotated left by ``r``: over len(items) rounds every item follows every other once."""
-    if not items:
-        return items
-    k = r % len(items)
-    return items[k:] + items[:k]

@@ -7,6 +7,7 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from megatron_tp_overlap.engine import paired
 from megatron_tp_overlap.engine.options import STRATEGIES, TuneOptions
 from megatron_tp_overlap.engine.space import TuningConfig
 
@@ -42,7 +43,7 @@ class SearchOptions:
     bracket_every: int = 2  # the incumbent runs again after this many trials (drift is interpolated between)
     block_steps: int = 3  # measured steps per block of the final decision (block value: their median); fewer
     # when the decision would take more than half the budget
-    min_quads: int = 6  # ABBA quadruples before the first look (6: the fewest for a 95% interval)
+    min_quads: int = paired.MIN_PAIRS  # ABBA quadruples before the first look (the fewest for a 95% interval)
     max_quads: int = 24
     level: float = 0.95  # confidence of the final decision's interval
     z: float = 2.0  # per-GEMM gains must exceed z standard errors
@@ -57,8 +58,10 @@ class SearchOptions:
                 raise ValueError(f"{k} = {getattr(self, k)}: must be >= 1")
         if self.max_seconds <= 0:
             raise ValueError(f"max_seconds = {self.max_seconds}: must be > 0")
-        if not 6 <= self.min_quads <= self.max_quads:
-            raise ValueError(f"min_quads = {self.min_quads}: must be >= 6 and <= max_quads = {self.max_quads}")
+        if not paired.MIN_PAIRS <= self.min_quads <= self.max_quads:
+            raise ValueError(
+                f"min_quads = {self.min_quads}: must be >= {paired.MIN_PAIRS} and <= max_quads = {self.max_quads}"
+            )
         if not 0.5 <= self.level < 1:
             raise ValueError(f"level = {self.level}: must be in [0.5, 1)")
 

@@ -31,11 +31,8 @@ class Verdict:
     tuned_ms: float
     iterations: int
     message: str
+    reverted: bool  # the run went back to the reference
     switch_s_median: float | None = None  # seconds per config switch between iterations (outside their times)
-
-    @property
-    def reverted(self) -> bool:
-        return self.keep.label == "reference"
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -53,7 +50,7 @@ class Verdict:
 
 def quads_for(iters: int) -> int:
     """ABBA quadruples of one iteration per block for ``iters`` requested iterations (at least 6: a 95% interval)."""
-    return max(6, math.ceil(iters / 4))
+    return max(paired.MIN_PAIRS, math.ceil(iters / 4))
 
 
 @dataclass
@@ -133,7 +130,7 @@ class InRunVerification:
             f"({len(times)} iterations, ABBA; {ref:.1f} vs {tun:.1f} ms median)"
         )
         if iv.faster:
-            return Verdict(self.tuned, iv, ref, tun, len(times), f"[tp-overlap-autotune] {measured}: keeping it")
+            return Verdict(self.tuned, iv, ref, tun, len(times), f"[tp-overlap-autotune] {measured}: keeping it", False)
         why = "slower" if iv.slower else "not faster beyond the interval"
         return Verdict(
             TuningConfig(self.reference.ub, self.reference.disabled, "reference"),
@@ -142,4 +139,5 @@ class InRunVerification:
             tun,
             len(times),
             f"[tp-overlap-autotune] {measured}: {why}, so the run goes back to {self.reference_name}",
+            True,
         )

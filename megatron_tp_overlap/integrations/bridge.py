@@ -123,6 +123,7 @@ def install() -> None:
         return
     import megatron.bridge.training.initialize as bridge_initialize
     import megatron.bridge.training.pretrain as bridge_pretrain
+    import megatron.bridge.training.train as bridge_train
 
     # Bridge imports compile_helpers by name: the same guard as for Megatron-LM (pip wheel: no Makefile)
     bridge_initialize.compile_helpers = guarded_compile_helpers(bridge_initialize.compile_helpers)
@@ -142,32 +143,18 @@ def install() -> None:
         train_data_iterator, verification = tune_before_training(
             global_state, forward_step_func, model, optimizer, train_data_iterator
         )
-        if verification is not None:
-            import megatron.bridge.training.train as bridge_train
-
-            with verifying(bridge_train, "train_step", verification):
-                return original(
-                    forward_step_func,
-                    model,
-                    optimizer,
-                    scheduler,
-                    train_data_iterator,
-                    valid_data_iterator,
-                    global_state,
-                    *rest,
-                    **kw,
-                )
-        return original(
-            forward_step_func,
-            model,
-            optimizer,
-            scheduler,
-            train_data_iterator,
-            valid_data_iterator,
-            global_state,
-            *rest,
-            **kw,
-        )
+        with verifying(bridge_train, "train_step", verification):
+            return original(
+                forward_step_func,
+                model,
+                optimizer,
+                scheduler,
+                train_data_iterator,
+                valid_data_iterator,
+                global_state,
+                *rest,
+                **kw,
+            )
 
     bridge_pretrain.train = train
     _installed = True

@@ -76,27 +76,19 @@ def disturbance(scenario: str, budget_steps: int) -> Callable[[int, int, random.
     the step, relative GPU noise per slot)."""
 
     def f(i: int, since: int, rng: random.Random) -> tuple[float, float, float]:
-        factor, host, noise = _disturb(i, since, rng)
-        return factor, host, noise
-
-    def _disturb(i: int, since: int, rng: random.Random) -> tuple[float, float, float]:
+        if scenario == "iid":  # 2% GPU noise per slot and step
+            return 1.0, 0.0, 0.02
+        if scenario == "ramp":  # 0.03% faster per step (clocks, caches warming up): what is measured late looks fast
+            return 1 - 3e-4 * i, 0.0, SLOT_NOISE
+        if scenario == "jump":  # +25% for the middle third of the budget
+            return (1.25 if budget_steps / 3 <= i < 2 * budget_steps / 3 else 1.0), 0.0, SLOT_NOISE
+        if scenario == "periodic":  # every 7th step 15% slower (a GC, a logger, a data loader)
+            return (1.15 if i % 7 == 3 else 1.0), 0.0, SLOT_NOISE
         if scenario == "position":  # after a switch: 1% slower per step (clocks settle), the 3rd step 8% slower
             return 1 + 0.01 * min(since, 4) + (0.08 if since == 2 else 0.0), 0.0, SLOT_NOISE
         if scenario == "jitter":  # 2% host jitter on the step; a host-bound GPU waits inside the layers too
             return 1.0, rng.gauss(0, 0.02 * STEP_MS), 0.02
-        if scenario == "iid":  # 2% GPU noise per slot and step
-            return 1.0, 0.0, 0.02
-        factor, host = g(i)
-        return factor, host, SLOT_NOISE
-
-    def g(i: int) -> tuple[float, float]:
-        if scenario == "ramp":  # 0.03% faster per step (clocks, caches warming up): what is measured late looks fast
-            return 1 - 3e-4 * i, 0.0
-        if scenario == "jump":  # +25% for the middle third of the budget
-            return (1.25 if budget_steps / 3 <= i < 2 * budget_steps / 3 else 1.0), 0.0
-        if scenario == "periodic":  # every 7th step 15% slower (a GC, a logger, a data loader)
-            return (1.15 if i % 7 == 3 else 1.0), 0.0
-        return 1.0, 0.0
+        raise ValueError(f"unknown scenario {scenario!r}")
 
     return f
 

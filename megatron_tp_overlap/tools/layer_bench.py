@@ -183,6 +183,7 @@ def main(argv: list[str] | None = None) -> None:
             options=SearchOptions(max_seconds=a.budget_s),
             space_spec=spec,
             allow_overlap_off=False,
+            no_overlap_eligible=False,
             verify_fn=fingerprint,
             gemms=keep,
         )

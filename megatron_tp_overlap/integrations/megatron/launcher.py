@@ -143,6 +143,7 @@ def _train_after_tuning(original_train: Callable) -> Callable:
         from megatron.training import get_args
 
         args = get_args()
+        verification = None
         if getattr(args, "tp_comm_overlap_autotune", False):
             tuned = tune(
                 model,
@@ -156,15 +157,11 @@ def _train_after_tuning(original_train: Callable) -> Callable:
                 trial_context=lambda: _fatal_checks_paused(args),
                 check_state=os.environ.get(CHECK_STATE_ENV) == "1",
             )
-            train_data_iterator = tuned.data_iterator
-            if tuned.verification is not None:
-                with verifying(mtraining, "train_step", tuned.verification):
-                    return original_train(
-                        forward_step_func, model, optimizer, opt_param_scheduler, train_data_iterator, *rest, **kw
-                    )
-        return original_train(
-            forward_step_func, model, optimizer, opt_param_scheduler, train_data_iterator, *rest, **kw
-        )
+            train_data_iterator, verification = tuned.data_iterator, tuned.verification
+        with verifying(mtraining, "train_step", verification):
+            return original_train(
+                forward_step_func, model, optimizer, opt_param_scheduler, train_data_iterator, *rest, **kw
+            )
 
     return train
 
@@ -172,8 +169,12 @@ def _train_after_tuning(original_train: Callable) -> Callable:
 @contextlib.contextmanager
 def verifying(module: Any, name: str, verification: Any) -> Iterator[None]:
     """``module.<name>`` (the framework's training-iteration function, looked up by the loop at each iteration)
-    wrapped in ``verification.before()`` / ``after()`` until the verification is done; the original is back after."""
+    wrapped in ``verification.before()`` / ``after()`` until the verification is done; the original is back after.
+    Nothing is wrapped when ``verification`` is None."""
     original = getattr(module, name, None)
+    if verification is None:
+        yield
+        return
     if original is None:  # another version of the framework: train unverified rather than fail
         print(
             f"[tp-overlap-autotune] WARNING {module.__name__}.{name} not found: in-run verification skipped", flush=True

@@ -155,15 +155,11 @@ def tune(
     init = run.init_args()
     steps = MegatronSteps(model, forward_step_func, optimizer, data_iterator, run)
     if options.reuse:
-        found = _reuse(
-            init,
-            cache,
-            key,
-            reference,
-            output,
-            log,
-            lambda c: _check(model, steps, init, run, options, reference, trial_context, log, c),
-        )
+
+        def check(config: TuningConfig) -> tuple[str | None, Any]:
+            return _check(_make_tuner(model, steps, init, run, options, reference, log), steps, trial_context, config)
+
+        found = _reuse(cache, key, reference, output, log, check)
         if found is not None:
             reused, switcher = found
             tuned = Tuned(reused, steps.data_iterator, output, _recipe(reused, model, output), reused=True, model=model)
@@ -403,7 +399,7 @@ def interrupt_on_sigterm(seen: list[int] | None = None) -> Iterator[None]:
 
 
 def _reuse(
-    init: Any, cache: Any, key: Any, reference: UbConfig, output: Path, log: Callable[..., None], check: Callable
+    cache: Any, key: Any, reference: UbConfig, output: Path, log: Callable[..., None], check: Callable
 ) -> tuple[TuningConfig, Any] | None:
     """The cached config for ``key``, applied after it passed the numerics check (``check``), and the switcher that
     applied it; rank 0 reads the cache and every rank gets its answer. None: nothing cached, or it failed the
@@ -432,19 +428,10 @@ def _reuse(
 
 
 def _check(
-    model: list,
-    steps: MegatronSteps,
-    init: Any,
-    run: RunShape,
-    options: TuneOptions,
-    reference: UbConfig,
-    trial_context: Callable[[], ContextManager],
-    log: Callable[..., None],
-    config: TuningConfig,
+    tuner: Any, steps: MegatronSteps, trial_context: Callable[[], ContextManager], config: TuningConfig
 ) -> tuple[str | None, Any]:
     """The numerics check of ``config`` against no overlap (what tuning checks every candidate with); ``config`` is
     live afterwards. (why it failed or None, the switcher)."""
-    tuner = _make_tuner(model, steps, init, run, options, reference, log)
     try:
         with trial_context():
             bad = tuner.verify(config)
