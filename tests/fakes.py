@@ -16,6 +16,18 @@ import torch
 from megatron_tp_overlap.ub.config import GemmOverlapConfig, UbConfig, parse_ub_cfgs, te_default
 
 
+class FakeCommOverlap:
+    """Like TE's ``tex.CommOverlap``: its constructor exchanges handles with the other ranks over the bootstrap group."""
+
+    def __init__(self, name: str, group: Any = None):
+        self.name = name
+        if group is not None:
+            import torch.distributed as dist
+
+            handles = [torch.zeros(1) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(handles, torch.ones(1), group=group)
+
+
 class FakeTE:
     """Replaces ``transformer_engine.pytorch.module.base`` for the switcher."""
 
@@ -24,16 +36,27 @@ class FakeTE:
         self.calls: list[dict] = []
         self.destroys = 0
         self.cfg = UbConfig()
+        self.tex = types.SimpleNamespace(CommOverlap=FakeCommOverlap, CommOverlapP2P=FakeCommOverlap)
+        self.bootstrap_groups: list[Any] = []
 
     def is_ub_initialized(self) -> bool:
         return self._ub_communicators is not None
 
     def initialize_ub(self, shape, tp_size, ub_cfgs=None, **kw):
+        """As TE does: a new bootstrap group on every call, then one communicator per GEMM (each one's constructor
+        runs collectives on it)."""
+        import torch.distributed as dist
+
         if self._ub_communicators is not None:
             raise RuntimeError("UB communicators are already initialized.")
         self.calls.append({"shape": shape, "tp_size": tp_size, "ub_cfgs": ub_cfgs, **kw})
         self.cfg = parse_ub_cfgs(ub_cfgs if isinstance(ub_cfgs, dict) else (ub_cfgs or [{}])[0])
-        self._ub_communicators = {name: types.SimpleNamespace(name=name) for name in ("qkv_fprop", "fc1_fprop")}
+        group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self.bootstrap_groups.append(group)
+        self._ub_communicators = {}
+        for name in ("qkv_fprop", "proj_fprop", "fc1_fprop", "fc2_fprop"):
+            cls = self.tex.CommOverlapP2P if name.endswith("1_fprop") else self.tex.CommOverlap
+            self._ub_communicators[name] = cls(name, group)
 
     def destroy_ub(self):
         self._ub_communicators = None

@@ -2,7 +2,9 @@
 best valid config; with the fault on one rank only, both ranks still take the same decisions."""
 
 import json
+import math
 import os
+import time
 
 import fakes
 import pytest
@@ -72,3 +74,107 @@ def test_a_fault_on_one_rank_keeps_ranks_in_lockstep(tmp_path):
     mp.start_processes(_rank, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True, start_method="spawn")
     r0, r1 = (json.loads((tmp_path / f"r{r}.json").read_text()) for r in (0, 1))
     assert r0 == r1 and r0["errors"]  # rank 0 also saw the failure (agreed), same decisions
+
+
+def test_lockstep_alone_agrees_with_itself():
+    from megatron_tp_overlap.engine.lockstep import Lockstep, PeerFailed
+
+    ls = Lockstep()
+    assert not ls.enabled and ls.agree_max([1.0, math.nan])[0] == 1.0
+    assert ls.attempt(lambda: None) and not ls.attempt(lambda: 1 / 0)
+    with pytest.raises(PeerFailed, match="rank 0: why"):
+        ls.check(True, "why")
+
+
+def _faulty_rank(rank, world, kind, init, out):
+    """One rank of a TP-like job whose step runs a collective after the model; ``kind`` fires on rank 1 only."""
+    import datetime
+
+    import torch
+
+    err = open(os.path.join(out, f"r{rank}.err"), "w")
+    os.dup2(err.fileno(), 2)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120)
+    )
+    te = fakes.FakeTE()
+    fakes.STATE = te
+    ub_runtime._te_base = lambda: te
+    tuner, _ = make_tuner(
+        faults=faults.parse(f"rank=1/{kind}:{WINNER}"), options=SearchOptions(max_seconds=60, max_steps=3000)
+    )
+    tuner.peer_grace_s = 2.0
+    local_step = tuner.step_fn
+
+    def step():
+        local_step()
+        dist.all_reduce(torch.ones(1))
+
+    tuner.step_fn = step
+    res = tuner.tune()
+    groups = [g for g in te.bootstrap_groups if g is not None]
+    with open(os.path.join(out, f"r{rank}.json"), "w") as f:
+        json.dump(
+            {
+                "best": res.best.to_dict(),
+                "errors": [t["error"] for t in res.report["trials"] if t["error"]],
+                "inits": len(groups),
+                "groups": len({id(g) for g in groups}),
+            },
+            f,
+        )
+    dist.destroy_process_group()
+
+
+def _run_ranks(tmp_path, world, kind, timeout_s):
+    ctx = mp.get_context("spawn")
+    procs = [
+        ctx.Process(target=_faulty_rank, args=(r, world, kind, str(tmp_path / "init"), str(tmp_path)))
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        p.kill()
+    assert not hung, f"ranks {hung} still running after {timeout_s} s"
+    return [p.exitcode for p in procs]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_failure_inside_initialize_ub_on_one_rank_fails_that_trial_on_every_rank_and_tuning_goes_on(tmp_path, world):
+    """Rank 1 raises between two communicators of initialize_ub while its peers wait in the second one's
+    collective: the switcher's bootstrap groups are aborted, every rank fails that trial, and all finish alike."""
+    codes = _run_ranks(tmp_path, world, "ubinit", timeout_s=240)
+    assert codes == [0] * world
+    results = [json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(world)]
+    assert all(r["best"] == results[0]["best"] for r in results)
+    # every rank names the rank that failed and why, not just "failed somewhere"
+    assert all(
+        any("rank 1: InjectedFault: injected fault inside initialize_ub" in e for e in r["errors"]) for r in results
+    )
+    # TE's per-call bootstrap group is created once per failure-free stretch, not once per switch
+    assert all(r["groups"] < r["inits"] for r in results)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_failure_mid_step_on_one_rank_ends_every_rank_with_the_same_line_instead_of_hanging(tmp_path, world):
+    """Rank 1 raises inside a step (its peers go on into the step's collective, which cannot complete): within the
+    grace period every rank prints the same line and exits with lockstep.EXIT_CODE; nothing hangs."""
+    from megatron_tp_overlap.engine.lockstep import EXIT_CODE
+
+    codes = _run_ranks(tmp_path, world, "midstep", timeout_s=120)
+    assert codes == [EXIT_CODE] * world
+    lines = [
+        [ln for ln in (tmp_path / f"r{r}.err").read_text().splitlines() if "ending the job" in ln] for r in range(world)
+    ]
+    assert all(len(ls) == 1 for ls in lines), lines
+    # the same cause on every rank (a rank may add its own echo of a peer's exit, e.g. "connection closed")
+    assert all(
+        "ending the job: tuning failed on rank 1: InjectedFault: injected fault inside a trial step" in ls[0]
+        for ls in lines
+    )
+    assert not list(tmp_path.glob("r*.json"))  # no rank went on as if nothing happened

@@ -146,6 +146,70 @@ class UbSwitcher:
     current: TuningConfig | None = None
     reinits: int = 0
     reinit_seconds: list[float] = field(default_factory=list)
+    recoverable: Callable[[Callable[[], None]], Any] = lambda recover: contextlib.nullcontext()
+    bootstrap_timeout_s: float | None = None  # gloo bootstrap groups: a collective waiting longer raises
+    _bootstrap: dict[str, Any] = field(default_factory=dict)  # key of TE's new_group call -> the group
+
+    @contextlib.contextmanager
+    def _own_bootstrap_groups(self) -> Iterator[None]:
+        """TE's ``initialize_ub`` creates a process group (and per-TP-domain subgroups) for its bootstrap on every
+        call and never destroys them: each switch left one behind (and paid for creating it). Inside this switcher's
+        re-inits the first call's groups are reused, and they are this switcher's to abort (:meth:`abort_bootstrap`).
+        A gloo group cannot be aborted from outside while a collective waits in it (its connections close only when
+        the last reference goes, and TE's frames hold one), so gloo groups get ``bootstrap_timeout_s``: a rank
+        whose peer failed inside ``initialize_ub`` gets an error after that instead of waiting for ever."""
+        import datetime
+
+        import torch.distributed as dist
+
+        originals = {"new_group": dist.new_group, "new_subgroups_by_enumeration": dist.new_subgroups_by_enumeration}
+
+        def reused(name: str) -> Callable[..., Any]:
+            def make(*args: Any, **kwargs: Any) -> Any:
+                key = f"{name}{args!r}{sorted(kwargs.items())!r}"
+                if self.bootstrap_timeout_s and kwargs.get("backend") == "gloo" and "timeout" not in kwargs:
+                    kwargs["timeout"] = datetime.timedelta(seconds=self.bootstrap_timeout_s)
+                if key not in self._bootstrap:
+                    self._bootstrap[key] = originals[name](*args, **kwargs)
+                return self._bootstrap[key]
+
+            return make
+
+        for name in originals:
+            setattr(dist, name, reused(name))
+        try:
+            yield
+        finally:
+            for name, fn in originals.items():
+                setattr(dist, name, fn)
+
+    def abort_bootstrap(self) -> None:
+        """Abort the bootstrap groups: a rank blocked in one of their collectives (its peer failed inside
+        ``initialize_ub``) gets an error instead of waiting for ever; the next re-init creates new ones."""
+        import torch.distributed as dist
+
+        groups, self._bootstrap = list(self._bootstrap.values()), {}
+        for g in groups:
+            for pg in g[1] if isinstance(g, tuple) else [g]:  # new_subgroups_by_enumeration: (mine, all)
+                with contextlib.suppress(Exception):
+                    if dist.get_backend(pg) == "nccl":
+                        dist.distributed_c10d._abort_process_group(pg)
+                    else:  # gloo: closing this rank's connections fails the peers' pending operations at once
+                        dist.destroy_process_group(pg)
+
+    def _initialize(self, cfgs: Any) -> None:
+        """``initialize_ub`` with the original arguments; if it raises, nothing of it stays behind (its partial
+        registry, its bootstrap groups) and the peers waiting in its collectives are released."""
+        base = _te_base()
+        try:
+            with self._own_bootstrap_groups(), self.recoverable(self.abort_bootstrap):
+                base.initialize_ub(**self.init_args.kwargs(), ub_cfgs=cfgs)
+        except BaseException:
+            self.abort_bootstrap()
+            if getattr(base, "_ub_communicators", None) is not None:
+                base.destroy_ub()
+            self.current = None
+            raise
 
     def _release(self) -> None:
         """Drop every reference to the current communicators, then destroy them."""
@@ -178,7 +242,7 @@ class UbSwitcher:
                 self._release()
             cfgs = config.ub.to_dict()
             n_modes = len(self.init_args.quantization_modes or [None])
-            base.initialize_ub(**self.init_args.kwargs(), ub_cfgs=cfgs if n_modes == 1 else [cfgs] * n_modes)
+            self._initialize(cfgs if n_modes == 1 else [cfgs] * n_modes)
             _sync()
             self.barrier()
             self.reinits += 1

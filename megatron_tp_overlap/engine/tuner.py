@@ -7,18 +7,21 @@ must not keep its outputs (a live autograd graph holds communicators of the curr
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from megatron_tp_overlap.engine import faults as fault_injection
 from megatron_tp_overlap.engine.faults import InjectedFault
 from megatron_tp_overlap.engine.faults import from_env as faults_from_env
-from megatron_tp_overlap.engine.measure import SlotTimer, agree_max, cuda_event
+from megatron_tp_overlap.engine.lockstep import GRACE_S, Lockstep
+from megatron_tp_overlap.engine.measure import SlotTimer, cuda_event
 from megatron_tp_overlap.engine.numerics import rel_diff
 from megatron_tp_overlap.engine.report import build_report, render_summary, summary_rows
 from megatron_tp_overlap.engine.search import Measurement, Searcher, SearchOptions, SearchResult, Trial, TrialFailed
@@ -101,6 +104,7 @@ class Autotuner:
     # as a whole (Megatron's per-kind flags): tried on the winner in the final decision
     trial_timeout_s: float = 120.0  # a trial slower than this is rejected (checked when it returns)
     faults: list = field(default_factory=lambda: faults_from_env())  # reliability tests only
+    peer_grace_s: float = GRACE_S  # a rank blocked by a peer's failure ends the job after this (engine.lockstep)
     gemms: set[str] | None = None  # tune only these GEMMs (others keep the reference's setting)
     clock: Callable[[], float] = time.perf_counter  # wall clock, s (tests drive a synthetic one)
     sleep: Callable[[float], None] = time.sleep
@@ -123,7 +127,10 @@ class Autotuner:
         ref = self.reference if self.reference is not None else UbConfig()
         check(ref, self.ctx, "reference config")  # bad input fails here, before any GPU work
         self.reference = ref
-        self.switcher = UbSwitcher(self.init_args, self.modules, barrier=self._barrier)
+        self.switcher = UbSwitcher(
+            self.init_args, self.modules, barrier=self._barrier, recoverable=lambda r: self.lockstep.recoverable(r)
+        )
+        self.lockstep = Lockstep(enabled=False)  # the tuning's own, for the duration of tune()
         self._t0 = 0.0
         self._ref_fp: torch.Tensor | None = None
         self._guard_off: str | None = None
@@ -132,9 +139,12 @@ class Autotuner:
         self.numerics: dict[str, float] = {}
 
     def _barrier(self) -> None:
+        """Inside tune(): an agreement point. After it (the switcher in the training run): a barrier."""
         import torch.distributed as dist
 
-        if dist.is_available() and dist.is_initialized():
+        if self.lockstep.enabled:
+            self.lockstep.check()
+        elif dist.is_available() and dist.is_initialized():
             dist.barrier(group=self.group)
 
     def _distributed(self) -> bool:
@@ -171,6 +181,9 @@ class Autotuner:
                 "where every rank holds the same layer kinds (e.g. equal pipeline stages)"
             )
 
+    def _agree(self, values: Sequence[float]) -> list[float]:
+        return self.lockstep.agree_max(values)
+
     def _fault(self, kind: str, config: TuningConfig) -> bool:
         import torch.distributed as dist
 
@@ -187,27 +200,29 @@ class Autotuner:
         step_ms = [math.nan] * steps
         timer = SlotTimer(self.modules, self.event_factory)
         t_trial = self.clock()
+        self.lockstep.failure = ""
 
         def attempt(fn: Callable[[], Any]) -> bool:
-            """Run ``fn``; True while every rank is fine. The ranks agree after each phase and each
-            step, so a rank that fails between steps never leaves the others waiting in the next
-            step's collectives (one host sync per step; steps are timed with events, unaffected)."""
+            """Run ``fn``; True while every rank is fine. The ranks agree (on the host, engine.lockstep) after
+            each phase and each step, so a rank that fails between steps never leaves the others waiting in
+            the next step's collectives; one failing inside a step ends the job rather than hanging it."""
             nonlocal error
-            try:
-                fn()
-            except Exception as e:  # noqa: BLE001 - the other ranks must hear about it
-                error = 1.0
-                self.log(f"[tp-overlap-autotune] trial failed on this rank: {type(e).__name__}: {e}")
-            return agree_max([error], self.group, self.timing_device)[0] == 0
+            ok = self.lockstep.attempt(fn, self.log)
+            error = error if ok else 1.0
+            return ok
 
         def switch() -> None:
             if self._fault("init", config):
                 raise InjectedFault("injected fault while switching userbuffers config")
-            self.switcher.apply(config)
+            with fault_injection.inside_initialize_ub(self._fault("ubinit", config)):
+                self.switcher.apply(config)
 
         def timed_step(i: int) -> None:
             timer.begin_step()
-            self.step_fn()
+            with fault_injection.mid_step(
+                self.modules[-1].module if i == 0 and self._fault("midstep", config) else None
+            ):
+                self.step_fn()
             timer.end_step()
             if i == 0 and self._fault("step", config):
                 raise InjectedFault("injected fault during a trial step")
@@ -231,10 +246,13 @@ class Autotuner:
         self._trial_index += 1
         now = self.clock()
         flat = [v for s in slots for v in per_slot[s]] + list(step_ms) + [now - t_trial, now - self._t0, error]
-        agreed = agree_max(flat, self.group, self.timing_device)
+        agreed = self._agree(flat)
         if agreed[-1] > 0:  # every rank raises together: nobody is left waiting in a collective
             why = self._FAILURES.get(int(agreed[-1]), "failed")
-            raise TrialFailed(f"{why} on at least one rank: {config.describe()}")
+            where = (
+                f"on {self.lockstep.failure}" if agreed[-1] == 1 and self.lockstep.failure else "on at least one rank"
+            )
+            raise TrialFailed(f"{why} {where}: {config.describe()}")
         n = len(slots) * steps
         return Measurement(
             slot_ms={s: agreed[i * steps : (i + 1) * steps] for i, s in enumerate(slots)},
@@ -263,7 +281,7 @@ class Autotuner:
         """No-overlap fingerprint (twice: the step must be reproducible), then the reference config's."""
         self.switcher.apply(all_off(self.topology, TuningConfig(self.reference or UbConfig())))
         self._ref_fp = self.verify_fn()
-        floor = agree_max([rel_diff(self.verify_fn(), self._ref_fp)], self.group, self.timing_device)[0]
+        floor = self._agree([rel_diff(self.verify_fn(), self._ref_fp)])[0]
         self.numerics["no overlap (repeat)"] = floor
         # Non-deterministic kernels (atomics in attention backward, Megatron without --deterministic-mode)
         # make two identical steps differ by ~1e-2 on H200; the bound follows that spread. Only a step
@@ -278,7 +296,7 @@ class Autotuner:
                 f"{self.REFERENCE_DEVIATION_FACTOR:g} x that"
             )
         self.switcher.apply(TuningConfig(self.reference or UbConfig(), frozenset(), "reference"))
-        dev = agree_max([rel_diff(self.verify_fn(), self._ref_fp)], self.group, self.timing_device)[0]
+        dev = self._agree([rel_diff(self.verify_fn(), self._ref_fp)])[0]
         self.numerics["reference config"] = dev
         if not math.isfinite(dev) or dev > self.MAX_TOLERANCE:
             self.log(f"[tp-overlap-autotune] WARNING the reference config itself deviates from no overlap by {dev:.2e}")
@@ -287,18 +305,19 @@ class Autotuner:
         """None if ``config`` reproduces the no-overlap fingerprint within :meth:`tolerance` on every rank."""
         if self.verify_fn is None:
             return None
-        err = 0.0
-        try:
-            if self._ref_fp is None:
-                self._calibrate()
-            if self._guard_off:
-                return None
+        if self._ref_fp is None and not self.lockstep.attempt(self._calibrate, self.log):
+            self._ref_fp = None  # calibrate again at the next check; until then nothing passes (agreed)
+            return "the numerics calibration failed"
+        if self._guard_off:
+            return None
+        measured: list[float] = []
+
+        def check() -> None:
             self.switcher.apply(config)
-            err = rel_diff(self.verify_fn(), self._ref_fp)
-        except Exception as e:  # noqa: BLE001
-            self.log(f"[tp-overlap-autotune] numerics check raised: {type(e).__name__}: {e}")
-            err = math.inf
-        err, self._agreed_elapsed = agree_max([err, self.clock() - self._t0], self.group, self.timing_device)
+            measured.append(rel_diff(self.verify_fn(), self._ref_fp))
+
+        err = measured[0] if self.lockstep.attempt(check, self.log) else math.inf
+        err, self._agreed_elapsed = self._agree([err, self.clock() - self._t0])
         self.numerics[config.describe()] = err
         tol = self.tolerance()
         return None if err <= tol else f"rel. error {err:.2e} > {tol:.2g} vs no overlap"
@@ -357,9 +376,24 @@ class Autotuner:
         gc.collect()  # garbage from before tuning goes now, not frozen with the rest
         gc.freeze()
         try:
-            return self._tune()
+            with self.agreeing():
+                return self._tune()
         finally:
             gc.unfreeze()
+
+    @contextlib.contextmanager
+    def agreeing(self) -> Iterator[None]:
+        """The ranks' agreements (engine.lockstep) for trials and numerics checks run inside this block:
+        :meth:`tune` opens it; open it around a lone :meth:`verify`."""
+        self.lockstep = Lockstep(self.group, grace_s=self.peer_grace_s)
+        # bootstrap collectives take ms; half the grace leaves the watcher's wait after its recovery to spare
+        self.switcher.bootstrap_timeout_s = self.peer_grace_s / 2
+        try:
+            yield
+        finally:
+            self.lockstep.close()
+            self.lockstep = Lockstep(enabled=False)
+            self.switcher.bootstrap_timeout_s = None
 
     def _tune(self) -> TuneResult:
         t0 = self.clock()

@@ -434,7 +434,8 @@ def _check(
     live afterwards. (why it failed or None, the switcher)."""
     try:
         with trial_context():
-            bad = tuner.verify(config)
+            with tuner.agreeing():
+                bad = tuner.verify(config)
         if not bad:
             tuner.switcher.apply(config)
     finally:
