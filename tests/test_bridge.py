@@ -91,6 +91,10 @@ def container(tmp_path, overlap, tp=2, **model):
         tp_comm_bootstrap_backend="nccl",
         tp_comm_overlap_rs_dgrad=False,
         tp_comm_overlap_cfg=None,
+        tp_comm_overlap_ag=True,
+        tp_comm_overlap_rs=True,
+        tp_comm_bulk_dgrad=True,
+        tp_comm_bulk_wgrad=True,
     )
     m.update(model)
     return SimpleNamespace(
@@ -225,3 +229,36 @@ def test_bridge_fields_are_generated_from_the_options(bridge):
     ours = {f.name: f.default for f in dataclasses.fields(c) if f.name.startswith("tp_comm_overlap_autotune_")}
     assert ours == {f"tp_comm_overlap_autotune_{f.name}": f.default for f in option_fields()}
     assert c.tp_comm_overlap_autotune is True and c.tune_options == TuneOptions()
+
+
+def test_the_runs_configs_follow_the_recipe_and_its_revert(bridge, tmp_path, monkeypatch):
+    """AG overlap off wins: the model config says so (a saved config reproduces the run); the in-run verification
+    goes back to the starting config: the fields are back; no overlap wins: tp_comm_overlap is off in both configs."""
+    from megatron_tp_overlap.integrations.megatron import tuning
+    from megatron_tp_overlap.integrations.megatron.flags import recipe
+    from megatron_tp_overlap.ub.config import UbConfig
+
+    active = frozenset({"qkv_fprop", "fc1_fprop", "proj_fprop", "fc2_fprop", "proj_dgrad", "fc2_dgrad"})
+    ag = frozenset({"qkv_fprop", "fc1_fprop", "proj_dgrad", "fc2_dgrad"})
+    tuned = SimpleNamespace(
+        config=SimpleNamespace(ub=UbConfig()),
+        data_iterator="it",
+        recipe=recipe(UbConfig(), ag, active, tmp_path / "t.yaml"),
+        on_recipe=[],
+    )
+    monkeypatch.setattr(tuning, "tune", lambda *a, **k: tuned)
+    c = bridge.module.AutotuneCommOverlapConfig(tp_comm_overlap=True)
+    state = SimpleNamespace(cfg=container(tmp_path, c))
+    bridge.pretrain.train("fwd", ["model"], "opt", "sched", "it", None, state, "ckpt", "pg", callback_manager=None)
+    m = state.cfg.model
+    assert (m.tp_comm_overlap_ag, m.tp_comm_overlap_rs, m.tp_comm_overlap, c.tp_comm_overlap) == (
+        False,
+        True,
+        True,
+        True,
+    )
+    (follow,) = tuned.on_recipe
+    follow(recipe(UbConfig(), frozenset(), active, tmp_path / "t.yaml"))  # the verification went back
+    assert (m.tp_comm_overlap_ag, m.tp_comm_overlap_rs, m.tp_comm_overlap) == (True, True, True)
+    follow(recipe(UbConfig(), active, active, tmp_path / "t.yaml"))  # no overlap at all
+    assert m.tp_comm_overlap is False and c.tp_comm_overlap is False and m.tp_comm_overlap_ag is True

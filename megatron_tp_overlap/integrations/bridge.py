@@ -20,12 +20,13 @@ imports Megatron-Bridge.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 from megatron.bridge.training.comm_overlap import CommOverlapConfig
 
 from megatron_tp_overlap.engine.options import PREFIX, TuneOptions, option_fields
-from megatron_tp_overlap.integrations.megatron.flags import default_output, output_problems
+from megatron_tp_overlap.integrations.megatron.flags import KIND_SWITCHES, default_output, output_problems
 from megatron_tp_overlap.integrations.megatron.launcher import guarded_compile_helpers, verifying
 from megatron_tp_overlap.integrations.megatron.run_shape import RunShape
 from megatron_tp_overlap.ub.layer_cfg import reference_config
@@ -112,7 +113,26 @@ def tune_before_training(
         overlap.tp_comm_overlap_cfg = to_layer_cfg(tuned.config.ub, run.tp, framework_classes())
     except ValueError:  # a GEMM the dataclass cannot hold: the YAML path above still says it all
         overlap.tp_comm_overlap_cfg = None
+    if getattr(tuned, "recipe", None) is not None:
+        follow = follow_recipe(state.cfg.model, overlap)
+        follow(tuned.recipe)
+        tuned.on_recipe.append(follow)  # the in-run verification may go back to the starting config
     return tuned.data_iterator, getattr(tuned, "verification", None)
+
+
+def follow_recipe(model_cfg: Any, overlap: Any) -> Callable[[Any], None]:
+    """Keeps the run's configs saying what its recipe says: the ``TransformerConfig`` fields of the kind switches
+    and the dgrad mode (``tp_comm_overlap_ag`` ..., from the values the run started with) and ``tp_comm_overlap`` of
+    both configs (False when no overlap won), so that a config saved with a checkpoint reproduces the tuned run."""
+    names = ["tp_comm_overlap", "tp_comm_overlap_rs_dgrad", *(k.field for k in KIND_SWITCHES.values())]
+    started = {n: getattr(model_cfg, n) for n in names if hasattr(model_cfg, n)}
+
+    def apply(recipe: Any) -> None:
+        for name, value in started.items():
+            setattr(model_cfg, name, recipe.fields.get(name, value))
+        overlap.tp_comm_overlap = recipe.fields.get("tp_comm_overlap", True)
+
+    return apply
 
 
 def install() -> None:

@@ -40,6 +40,7 @@ class Tuned:
     notes: list[str] = field(default_factory=list)
     verification: Any = None  # engine.verify.InRunVerification the training loop drives; None: nothing to verify
     model: Any = None  # the model chunks (for the recipe of a config the verification goes back to)
+    on_recipe: list[Callable[[Recipe], Any]] = field(default_factory=list)  # told when the recipe changes (every rank)
 
 
 class MegatronSteps:
@@ -208,11 +209,14 @@ def _verification(
 
     def on_verdict(v: Any) -> None:
         tuned.notes.append(v.message)
+        if v.reverted:
+            tuned.recipe = _recipe(v.keep, tuned.model, tuned.yaml_path)
+            for listener in tuned.on_recipe:
+                listener(tuned.recipe)
         if torch.distributed.get_rank() != 0:
             return
         _update_report(tuned.yaml_path, {"in_run_verification": v.to_dict()}, log)
         if v.reverted:
-            tuned.recipe = _recipe(v.keep, tuned.model, tuned.yaml_path)
             meta = {**_key_meta(key), "chosen": "reference (the in-run verification found no gain)"}
             if _write_yaml(tuned.yaml_path, v.keep, meta, log):
                 _write_recipe(tuned.yaml_path, tuned.recipe, log)
