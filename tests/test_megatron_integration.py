@@ -131,7 +131,21 @@ def test_run_shape_reads_every_dimension_that_keys_a_tuned_config():
         8,
         80,
     )
-    assert (k.gated_mlp, k.dtype, k.rs_dgrad) == (True, "fp8", True)
+    assert (k.gated_mlp, k.dtype, k.rs_dgrad) == (True, "fp8:hybrid/delayed", True)
+    # what else changes the kernels or the bytes communicated (found by tests/test_reuse_key_args.py walking
+    # Megatron's parser): the FP8 recipe, FP4, how many edge layers run in bf16, and quick-GeGLU's gated fc1
+    keys = {
+        RunShape.from_args(ns(fp8="hybrid", **kw)).key("g", "t", "r", "s").digest()
+        for kw in (
+            {},
+            {"fp8_recipe": "mxfp8"},
+            {"fp4": "e2m1"},
+            {"first_last_layers_bf16": True, "num_layers_at_start_in_bf16": 1, "num_layers_at_end_in_bf16": 1},
+            {"first_last_layers_bf16": True, "num_layers_at_start_in_bf16": 2, "num_layers_at_end_in_bf16": 1},
+        )
+    }
+    assert len(keys) == 5
+    assert RunShape.from_args(ns(swiglu=False, quick_geglu=True)).gated_mlp
     assert RunShape.from_args(ns(group_query_attention=False)).key("g", "t", "r", "s").kv_groups is None
     assert RunShape.from_args(ns()).kv_channels == 4096 // 32  # Megatron's default head size
 

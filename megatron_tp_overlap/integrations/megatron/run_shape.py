@@ -11,6 +11,19 @@ from megatron_tp_overlap.engine.cache import TuningKey
 from megatron_tp_overlap.engine.switcher import UbInitArgs
 
 
+def _precision(c: Any) -> str:
+    """What beyond the dtype decides the GEMMs' kernels and the bytes they communicate (Megatron's flags and
+    TransformerConfig use the same names): the FP8 format and recipe, FP4, the counts of bf16 edge layers."""
+    parts = []
+    if getattr(c, "fp8", None):
+        parts.append(f"{c.fp8}/{getattr(c, 'fp8_recipe', None) or 'delayed'}")
+    if getattr(c, "fp4", None):
+        parts.append(f"fp4:{c.fp4}/{getattr(c, 'fp4_recipe', None)}")
+    if _bf16_edge_layers(c):
+        parts.append(f"bf16_edges:{c.num_layers_at_start_in_bf16 or 0},{c.num_layers_at_end_in_bf16 or 0}")
+    return "+".join(parts)
+
+
 def _bf16_edge_layers(c: Any) -> bool:
     """An FP8 run with its first/last layers in bf16 (Megatron's flags and TransformerConfig use the same names)."""
     return bool(getattr(c, "first_last_layers_bf16", False)) and (
@@ -67,6 +80,7 @@ class RunShape:
     recompute: Optional[str] = None  # what activation recompute re-runs, when it re-runs an overlapped GEMM
     moe_experts: Optional[int] = None
     cuda_graphs: Optional[str] = None  # Megatron's CUDA graph mode, when on
+    precision: str = ""  # FP8 format/recipe, FP4, bf16 edge layer counts (_precision); part of the reuse key
 
     @staticmethod
     def from_args(args: argparse.Namespace) -> RunShape:
@@ -81,7 +95,8 @@ class RunShape:
             heads=heads,
             kv_groups=args.num_query_groups if getattr(args, "group_query_attention", False) else None,
             kv_channels=getattr(args, "kv_channels", None) or args.hidden_size // heads,
-            gated_mlp=bool(getattr(args, "swiglu", False)),
+            # Megatron's core_transformer_config_from_args: both make fc1 2 x ffn wide
+            gated_mlp=bool(getattr(args, "swiglu", False) or getattr(args, "quick_geglu", False)),
             fp8=getattr(args, "fp8", None),
             bf16=bool(args.bf16),
             fp16=bool(getattr(args, "fp16", False)),
@@ -96,6 +111,7 @@ class RunShape:
             recompute=_recompute(args),
             moe_experts=getattr(args, "num_experts", None),
             cuda_graphs=_cuda_graphs(args),
+            precision=_precision(args),
         )
 
     @staticmethod
@@ -124,6 +140,7 @@ class RunShape:
             recompute=_recompute(m),
             moe_experts=getattr(m, "num_moe_experts", None),
             cuda_graphs=_cuda_graphs(m),
+            precision=_precision(m),
         )
 
     @property
@@ -191,7 +208,7 @@ class RunShape:
             kv_groups=self.kv_groups,
             kv_channels=self.kv_channels,
             gated_mlp=self.gated_mlp,
-            dtype=self.dtype,
+            dtype=f"{self.dtype}:{self.precision}" if self.precision else self.dtype,
             bf16_edge_layers=self.bf16_edge_layers,
             rs_dgrad=self.rs_dgrad,
             reference=reference,
