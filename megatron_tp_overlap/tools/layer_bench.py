@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -214,10 +216,22 @@ def main(argv: list[str] | None = None) -> None:
                 prof.export_chrome_trace(str(out / f"tp{tp}_trace.json"))
     if rank == 0:
         (out / f"tp{tp}.json").write_text(json.dumps(result, indent=1, default=str))
+    # the exit once took 21-31 s after the results were written: each phase of the teardown is timed (stderr)
+    # so a run shows where that goes
+    t = [time.perf_counter()]
     dist.barrier()
     if overlap:
         te_base.destroy_ub()
+    t.append(time.perf_counter())
     dist.destroy_process_group()
+    t.append(time.perf_counter())
+    if rank == 0:
+        print(
+            f"[layer-bench] teardown: barrier + destroy_ub {t[1] - t[0]:.2f} s, destroy_process_group "
+            f"{t[2] - t[1]:.2f} s",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 if __name__ == "__main__":
