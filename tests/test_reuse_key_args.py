@@ -97,14 +97,10 @@ ONLY_WITH = {
 
 
 def _signature(args, cfg) -> dict:
-    sig = {
-        f.name: repr(getattr(cfg, f.name))
-        for f in dataclasses.fields(cfg)
-        if SHAPE_FIELD.search(f.name)
-        and getattr(cfg, ONLY_WITH.get(f.name, f.name), None)
-        or SHAPE_FIELD.search(f.name)
-        and f.name not in ONLY_WITH
-    }
+    def relevant(name: str) -> bool:
+        return bool(SHAPE_FIELD.search(name)) and (name not in ONLY_WITH or bool(getattr(cfg, ONLY_WITH[name], None)))
+
+    sig = {f.name: repr(getattr(cfg, f.name)) for f in dataclasses.fields(cfg) if relevant(f.name)}
     sig.update(seq_length=args.seq_length, micro_batch_size=args.micro_batch_size)
     return sig
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import math
 import os
 import sys
 import threading
@@ -31,6 +30,8 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+
+from megatron_tp_overlap.engine.measure import agree_max
 
 EXIT_CODE = 70  # os.EX_SOFTWARE: an internal error ended the job (a rank failed inside collectives)
 # How long a rank that is not blocked may take to reach the next agreement after a peer failed: one step at most.
@@ -102,13 +103,7 @@ class Lockstep:
     def agree_max(self, values: Sequence[float]) -> list[float]:
         """A checked agreement point, then the element-wise MAX of ``values`` over the ranks (NaN stays NaN)."""
         self.check()
-        if not self.enabled:
-            return [float(v) for v in values]
-        import torch.distributed as dist
-
-        t = torch.tensor([math.inf if math.isnan(v) else float(v) for v in values], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.ctl)
-        return [math.nan if math.isinf(v) and v > 0 else v for v in t.tolist()]
+        return agree_max(values, self.ctl, "cpu") if self.enabled else [float(v) for v in values]
 
     def attempt(self, fn: Callable[[], Any], log: Callable[[str], Any] = lambda s: None) -> bool:
         """Run ``fn``, then an agreement point. True while every rank is fine; False on every rank when any failed."""

@@ -194,7 +194,7 @@ class UbSwitcher:
                 with contextlib.suppress(Exception):
                     if dist.get_backend(pg) == "nccl":
                         dist.distributed_c10d._abort_process_group(pg)
-                    else:  # gloo: closing this rank's connections fails the peers' pending operations at once
+                    else:  # gloo: its connections close when nothing else holds it; bootstrap_timeout_s bounds the rest
                         dist.destroy_process_group(pg)
 
     def _initialize(self, cfgs: Any) -> None:

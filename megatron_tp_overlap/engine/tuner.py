@@ -181,9 +181,6 @@ class Autotuner:
                 "where every rank holds the same layer kinds (e.g. equal pipeline stages)"
             )
 
-    def _agree(self, values: Sequence[float]) -> list[float]:
-        return self.lockstep.agree_max(values)
-
     def _fault(self, kind: str, config: TuningConfig) -> bool:
         import torch.distributed as dist
 
@@ -246,7 +243,7 @@ class Autotuner:
         self._trial_index += 1
         now = self.clock()
         flat = [v for s in slots for v in per_slot[s]] + list(step_ms) + [now - t_trial, now - self._t0, error]
-        agreed = self._agree(flat)
+        agreed = self.lockstep.agree_max(flat)
         if agreed[-1] > 0:  # every rank raises together: nobody is left waiting in a collective
             why = self._FAILURES.get(int(agreed[-1]), "failed")
             where = (
@@ -281,7 +278,7 @@ class Autotuner:
         """No-overlap fingerprint (twice: the step must be reproducible), then the reference config's."""
         self.switcher.apply(all_off(self.topology, TuningConfig(self.reference or UbConfig())))
         self._ref_fp = self.verify_fn()
-        floor = self._agree([rel_diff(self.verify_fn(), self._ref_fp)])[0]
+        floor = self.lockstep.agree_max([rel_diff(self.verify_fn(), self._ref_fp)])[0]
         self.numerics["no overlap (repeat)"] = floor
         # Non-deterministic kernels (atomics in attention backward, Megatron without --deterministic-mode)
         # make two identical steps differ by ~1e-2 on H200; the bound follows that spread. Only a step
@@ -296,7 +293,7 @@ class Autotuner:
                 f"{self.REFERENCE_DEVIATION_FACTOR:g} x that"
             )
         self.switcher.apply(TuningConfig(self.reference or UbConfig(), frozenset(), "reference"))
-        dev = self._agree([rel_diff(self.verify_fn(), self._ref_fp)])[0]
+        dev = self.lockstep.agree_max([rel_diff(self.verify_fn(), self._ref_fp)])[0]
         self.numerics["reference config"] = dev
         if not math.isfinite(dev) or dev > self.MAX_TOLERANCE:
             self.log(f"[tp-overlap-autotune] WARNING the reference config itself deviates from no overlap by {dev:.2e}")
@@ -317,7 +314,7 @@ class Autotuner:
             measured.append(rel_diff(self.verify_fn(), self._ref_fp))
 
         err = measured[0] if self.lockstep.attempt(check, self.log) else math.inf
-        err, self._agreed_elapsed = self._agree([err, self.clock() - self._t0])
+        err, self._agreed_elapsed = self.lockstep.agree_max([err, self.clock() - self._t0])
         self.numerics[config.describe()] = err
         tol = self.tolerance()
         return None if err <= tol else f"rel. error {err:.2e} > {tol:.2g} vs no overlap"

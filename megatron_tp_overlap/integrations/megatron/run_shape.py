@@ -20,7 +20,8 @@ def _precision(c: Any) -> str:
     if getattr(c, "fp4", None):
         parts.append(f"fp4:{c.fp4}/{getattr(c, 'fp4_recipe', None)}")
     if _bf16_edge_layers(c):
-        parts.append(f"bf16_edges:{c.num_layers_at_start_in_bf16 or 0},{c.num_layers_at_end_in_bf16 or 0}")
+        start, end = (getattr(c, f"num_layers_at_{w}_in_bf16", 0) or 0 for w in ("start", "end"))
+        parts.append(f"bf16_edges:{start},{end}")
     return "+".join(parts)
 
 
