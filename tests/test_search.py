@@ -219,3 +219,45 @@ def test_time_spent_before_the_first_trial_is_not_taken_for_a_per_step_cost():
     res = Searcher(topo, space, Late(topo, s_per_step=0.15), CTX, SearchOptions(max_seconds=60)).run(ref, base)
     assert sum(t.phase == "screen" for t in res.trials) >= 10 and res.decision["block_steps"] == 3
     assert res.elapsed_s <= 60
+
+
+def test_a_reference_that_cannot_be_measured_ends_the_search_at_once():
+    """Every trial failing (e.g. a trial timeout below one step) must not run the whole space: the reference
+    is tried twice, then tuning stops with TrialFailed (the integrations train on with the starting config)."""
+    topo, space, ref, base = setup()
+    ev = Synthetic(topo, fail=lambda c: True)
+    with pytest.raises(TrialFailed, match="reference config could not be measured .*synthetic failure"):
+        Searcher(topo, space, ev, CTX, SearchOptions(max_steps=10_000, max_seconds=1e9)).run(ref, base)
+    assert ev.calls == 2
+
+
+def test_one_failed_reference_trial_is_retried():
+    topo, space, ref, base = setup()
+    calls = []
+
+    def fail_first(c):
+        calls.append(c)
+        return len(calls) == 1
+
+    res = Searcher(topo, space, Synthetic(topo, fail=fail_first), CTX, SearchOptions(max_steps=10_000)).run(ref, base)
+    assert res.trials[0].error and not res.trials[1].error and res.trials[1].phase == "baseline"
+
+
+def test_failed_trials_spend_the_time_budget():
+    """Trials that fail after a long time (a trial timeout) count against the budget like any trial, also
+    when nothing succeeds after them (no successful trial would carry the clock forward)."""
+    topo, space, ref, base = setup()
+    ev = Synthetic(topo, s_per_step=0.1)
+    ok = ev.__call__
+
+    def evaluate(config, steps, warmup):
+        if ev.calls >= 1:  # everything after the first trial waits out a timeout and fails
+            ev.calls += 1
+            ev.t += 5.0
+            raise TrialFailed("timed out")
+        return ok(config, steps, warmup)
+
+    opts = SearchOptions(max_steps=10_000, max_seconds=30)
+    with pytest.raises(TrialFailed):  # the decision cannot measure the reference again
+        Searcher(topo, space, evaluate, CTX, opts, elapsed=lambda: ev.t).run(ref, base)
+    assert ev.t <= 30 + 5.0  # one trial past the cap at most

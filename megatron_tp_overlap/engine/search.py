@@ -106,6 +106,8 @@ class Searcher:
         except TrialFailed as e:
             t.error = str(e)
             self.steps_run += steps + warmup
+            if self.elapsed is not None:  # a failed trial spends the budget too (and a timed-out one, a lot of it)
+                self.elapsed_s = max(self.elapsed_s, self.elapsed())
         else:
             self.steps_run += m.steps_run
             self.elapsed_s = m.elapsed_s
@@ -246,7 +248,14 @@ class Searcher:
         )  # an estimate, for progress bars
 
         # 1. incumbent, then screening: every option once, the incumbent bracketing every few trials.
-        self._run("baseline", incumbent, {"*": "incumbent"}, o.screen_steps * 2)
+        #    Every option is compared with the incumbent: when it cannot be measured (twice, so that one
+        #    transient failure is not the end), nothing can be decided and tuning stops here.
+        for _ in range(2):
+            first = self._run("baseline", incumbent, {"*": "incumbent"}, o.screen_steps * 2)
+            if not first.error:
+                break
+        else:
+            raise TrialFailed(f"the reference config could not be measured ({first.error})")
         decision_cost = self.plan_decision(len(contenders) + 1)
         raw: dict[Option, list[tuple[Trial, list[float]]]] = {}
         self._measure_options("screen", incumbent, options, o.screen_steps, raw, decision_cost)

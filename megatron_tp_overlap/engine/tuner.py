@@ -135,7 +135,7 @@ class Autotuner:
         self._ref_fp: torch.Tensor | None = None
         self._guard_off: str | None = None
         self._trial_index = 0
-        self._agreed_elapsed = 0.0  # wall seconds since tuning began, max over ranks, at the last numerics check
+        self._agreed_elapsed = 0.0  # wall seconds since tuning began, max over ranks, at the last agreement
         self.numerics: dict[str, float] = {}
 
     def _barrier(self) -> None:
@@ -244,6 +244,7 @@ class Autotuner:
         now = self.clock()
         flat = [v for s in slots for v in per_slot[s]] + list(step_ms) + [now - t_trial, now - self._t0, error]
         agreed = self.lockstep.agree_max(flat)
+        self._agreed_elapsed = agreed[-2]
         if agreed[-1] > 0:  # every rank raises together: nobody is left waiting in a collective
             why = self._FAILURES.get(int(agreed[-1]), "failed")
             where = (
