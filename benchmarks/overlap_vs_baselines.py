@@ -52,6 +52,33 @@ def efficiency(t_no_overlap: float, t: float, t_comm: float) -> float:
     return (t_no_overlap - t) / t_comm if t_comm > 0 else 0.0
 
 
+def targets(med: dict[str, float], autotune: list[dict], exhaustive: dict | None, t_comm: float) -> dict:
+    """Issue 19's layer-level bar per autotune repeat, and for the worst repeat (the one with the slowest step):
+    never slower than a baseline, within 1% of the slot-exhaustive best, with at most half its steps."""
+    baselines = min(med[k] for k in med if k in ("no overlap", "TE default") or k.startswith("preset"))
+    per = []
+    for a in autotune:
+        t = med[a["name"]]
+        ex = med.get("slot-exhaustive best") if exhaustive else None
+        per.append(
+            {
+                "name": a["name"],
+                "vs_best_baseline_pct": round(100 * (t / baselines - 1), 2),
+                "vs_exhaustive_pct": None if ex is None else round(100 * (t / ex - 1), 2),
+                "steps_vs_exhaustive": None if not exhaustive else round(a["steps"] / exhaustive["steps"], 3),
+                "autotuned_le_baselines": t <= baselines,
+                "within_1pct_of_exhaustive": None if ex is None else t <= ex * 1.01,
+                "tuning_steps_le_50pct_of_exhaustive": None
+                if not exhaustive
+                else a["steps"] <= 0.5 * exhaustive["steps"],
+                "tuning_le_60s": a["wall_s"] <= 60,
+                "efficiency_ge_0.6": efficiency(med["no overlap"], t, t_comm) >= 0.6,
+            }
+        )
+    worst = max(per, key=lambda p: med[p["name"]])
+    return {"repeats": per, "worst": worst["name"], **{k: v for k, v in worst.items() if k != "name"}}
+
+
 def comm_only_ms(tokens: int, hidden: int, layers: int, iters: int = 20) -> dict[str, float]:
     import torch
     import torch.distributed as dist
@@ -67,7 +94,9 @@ def comm_only_ms(tokens: int, hidden: int, layers: int, iters: int = 20) -> dict
     return {"all_gather_ms": ag, "reduce_scatter_ms": rs, "total_ms": layers * (AG_PER_LAYER * ag + RS_PER_LAYER * rs)}
 
 
-def run_case(name: str, layers: int, steps: int, rounds: int, budget_s: float, exhaustive: bool) -> dict:
+def run_case(
+    name: str, layers: int, steps: int, rounds: int, budget_s: float, exhaustive: bool, repeats: int = 1
+) -> dict:
     import torch
     import torch.distributed as dist
     from transformer_engine.pytorch.module import base as te_base
@@ -101,24 +130,33 @@ def run_case(name: str, layers: int, steps: int, rounds: int, budget_s: float, e
     }
     out["comm_only"] = comm_only_ms(seq * mbs, d.hidden, layers)
 
-    t0 = time.perf_counter()
-    auto_tuner = Autotuner(
-        stack.model, stack.step, stack.init, options=SearchOptions(max_seconds=budget_s), verify_fn=stack.fingerprint
-    )
-    auto = auto_tuner.tune()
-    out["autotune"] = {
-        "wall_s": round(time.perf_counter() - t0, 2),
-        "steps": auto.search.steps_run,
-        "switches": auto.switches,
-        "chosen": auto.best.to_dict(),
-        "decision": auto.search.reason,
-    }
-    log(auto.summary)
     contenders = {"no overlap": None, "TE default": TuningConfig(UbConfig(), frozenset(), "TE default")}
     preset = closest_preset(d.hidden, tp, fp8=False)
     contenders[f"preset {preset}"] = TuningConfig(get_preset(preset), frozenset(), preset)
-    contenders["autotuned"] = auto.best
-    tuner = None
+    out["autotune"] = []
+    for r in range(repeats):  # independent tunings of the same layers: the worst repeat is the result
+        t0 = time.perf_counter()
+        tuner = Autotuner(
+            stack.model,
+            stack.step,
+            stack.init,
+            options=SearchOptions(max_seconds=budget_s),
+            verify_fn=stack.fingerprint,
+        )
+        auto = tuner.tune()
+        label = "autotuned" if repeats == 1 else f"autotuned #{r + 1}"
+        out["autotune"].append(
+            {
+                "name": label,
+                "wall_s": round(time.perf_counter() - t0, 2),
+                "steps": auto.search.steps_run,
+                "switches": auto.switches,
+                "chosen": auto.best.to_dict(),
+                "decision": auto.search.reason,
+            }
+        )
+        log(auto.summary)
+        contenders[label] = auto.best
     if exhaustive:
         t0 = time.perf_counter()
         tuner = Autotuner(
@@ -137,9 +175,8 @@ def run_case(name: str, layers: int, steps: int, rounds: int, budget_s: float, e
             "decision": ex.search.reason,
         }
         contenders["slot-exhaustive best"] = ex.best
-    last = tuner or auto_tuner  # its switcher knows which config is live
-    sw = last.switcher
-    contenders["no overlap"] = all_off(last.topology, TuningConfig(UbConfig()))
+    sw = tuner.switcher  # the last tuner's switcher knows which config is live
+    contenders["no overlap"] = all_off(tuner.topology, TuningConfig(UbConfig()))
     stats = compare_configs(contenders, sw.apply, stack.step, steps, rounds)  # interleaved; equal configs share
     med = {k: v["median"] for k, v in stats.items()}
     t_no, t_comm = med["no overlap"], out["comm_only"]["total_ms"]
@@ -152,17 +189,8 @@ def run_case(name: str, layers: int, steps: int, rounds: int, budget_s: float, e
         for k, v in med.items()
     }
     out["comm_fraction_of_no_overlap"] = round(t_comm / t_no, 3)
-    baselines = min(med[k] for k in med if k in ("no overlap", "TE default") or k.startswith("preset"))
-    out["targets"] = {
-        "autotuned_le_baselines": med["autotuned"] <= baselines,
-        "within_1pct_of_exhaustive": None if not exhaustive else med["autotuned"] <= med["slot-exhaustive best"] * 1.01,
-        "tuning_steps_le_50pct_of_exhaustive": None
-        if not exhaustive
-        else out["autotune"]["steps"] <= 0.5 * out["slot_exhaustive"]["steps"],
-        "tuning_le_60s": out["autotune"]["wall_s"] <= 60,
-        "efficiency_ge_0.6": efficiency(t_no, med["autotuned"], t_comm) >= 0.6,
-    }
-    del stack, sw, tuner, last, auto_tuner
+    out["targets"] = targets(med, out["autotune"], out.get("slot_exhaustive"), t_comm)
+    del stack, sw, tuner
     gc.collect()
     torch.cuda.synchronize()
     dist.barrier()
@@ -180,6 +208,20 @@ def render(results: list[dict]) -> str:
             lines.append(
                 f"| {r['case']} | {r['tp']} | {k} | {v['median']:.3f} | {v['spread']:.3f} | {v['efficiency']:.2f} | "
                 f"{r['comm_only']['total_ms']:.3f} |"
+            )
+    lines += [
+        "",
+        "| case | autotune run | vs best baseline % | vs slot-exhaustive % | steps (of exhaustive's) | tuning s | decision |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        ex = r.get("slot_exhaustive")
+        for a, t in zip(r["autotune"], r["targets"]["repeats"]):
+            vs_ex = "-" if t["vs_exhaustive_pct"] is None else f"{t['vs_exhaustive_pct']:+.2f}"
+            steps = f"{a['steps']}" + (f" ({a['steps'] / ex['steps']:.0%} of {ex['steps']})" if ex else "")
+            lines.append(
+                f"| {r['case']} | {a['name']} | {t['vs_best_baseline_pct']:+.2f} | {vs_ex} | {steps} | {a['wall_s']:.1f} "
+                f"| {' '.join(a['decision'].split())[:90]} |"
             )
     return "\n".join(lines)
 
@@ -219,6 +261,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--budget-s", type=float, default=TuneOptions.seconds)
     p.add_argument("--no-exhaustive", action="store_true")
+    p.add_argument("--repeats", type=int, default=1, help="independent autotune runs per case (worst one counts)")
     p.add_argument(
         "--shape",
         action="append",
@@ -233,15 +276,16 @@ def main() -> None:
 
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl")
-    results = [run_case(c, a.layers, a.steps, a.rounds, a.budget_s, not a.no_exhaustive) for c in a.cases.split(",")]
+    out, tp, results = Path(a.out), dist.get_world_size(), []
+    for c in a.cases.split(","):
+        results.append(run_case(c, a.layers, a.steps, a.rounds, a.budget_s, not a.no_exhaustive, a.repeats))
+        if dist.get_rank() == 0:  # after every case: a run cut off by its time limit keeps the cases it finished
+            out.mkdir(parents=True, exist_ok=True)
+            (out / f"overlap_vs_baselines_tp{tp}.json").write_text(json.dumps(results, indent=1, default=str))
+            (out / f"overlap_vs_baselines_tp{tp}.md").write_text(render(results) + "\n")
+            print(render(results[-1:]), flush=True)
     if dist.get_rank() == 0:
-        out = Path(a.out)
-        out.mkdir(parents=True, exist_ok=True)
-        tp = dist.get_world_size()
-        (out / f"overlap_vs_baselines_tp{tp}.json").write_text(json.dumps(results, indent=1, default=str))
-        (out / f"overlap_vs_baselines_tp{tp}.md").write_text(render(results) + "\n")
         plot(results, out / f"overlap_vs_baselines_tp{tp}.png")
-        print(render(results))
     dist.barrier()
     dist.destroy_process_group()
 

@@ -23,6 +23,25 @@ def test_cases_match_the_issue():
     assert ob.CASES["gpt3_20b"][1:] == (2048, 2) and load_model_dims(ob.CASES["gpt3_20b"][0]).hidden == 6144
 
 
+def test_targets_judge_every_repeat_and_name_the_worst():
+    med = {"no overlap": 10.0, "TE default": 9.5, "preset p": 9.4, "autotuned #1": 9.0, "autotuned #2": 9.2}
+    med["slot-exhaustive best"] = 9.05
+    autos = [
+        {"name": "autotuned #1", "steps": 100, "wall_s": 50.0},
+        {"name": "autotuned #2", "steps": 160, "wall_s": 61.0},
+    ]
+    t = ob.targets(med, autos, {"steps": 300}, t_comm=2.0)
+    first, second = t["repeats"]
+    assert (
+        first["within_1pct_of_exhaustive"] and first["tuning_steps_le_50pct_of_exhaustive"] and first["tuning_le_60s"]
+    )
+    assert not second["within_1pct_of_exhaustive"]  # 9.2 > 1.01 x 9.05
+    assert not second["tuning_steps_le_50pct_of_exhaustive"] and not second["tuning_le_60s"]
+    assert t["worst"] == "autotuned #2" and t["within_1pct_of_exhaustive"] is False
+    assert second["vs_exhaustive_pct"] == 1.66 and second["vs_best_baseline_pct"] == -2.13
+    assert ob.targets(med, autos[:1], None, 2.0)["within_1pct_of_exhaustive"] is None  # --no-exhaustive
+
+
 def test_render_and_plot(tmp_path):
     r = {
         "case": "llama3_8b",
@@ -32,8 +51,15 @@ def test_render_and_plot(tmp_path):
             "no overlap": {"median": 10.0, "spread": 0.1, "efficiency": 0.0},
             "autotuned": {"median": 8.8, "spread": 0.1, "efficiency": 0.6},
         },
+        "autotune": [
+            {"name": "autotuned", "steps": 120, "wall_s": 41.0, "decision": "autotuned beats the\n reference"}
+        ],
+        "slot_exhaustive": {"steps": 300},
     }
-    assert "| llama3_8b | 4 | autotuned | 8.800 | 0.100 | 0.60 | 2.000 |" in ob.render([r])
+    r["targets"] = ob.targets({k: v["median"] for k, v in r["step_ms"].items()}, r["autotune"], None, 2.0)
+    text = ob.render([r])
+    assert "| llama3_8b | 4 | autotuned | 8.800 | 0.100 | 0.60 | 2.000 |" in text
+    assert "| llama3_8b | autotuned | -12.00 | - | 120 (40% of 300) | 41.0 | autotuned beats the reference |" in text
     ob.plot([r], tmp_path / "b.png")
     assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"
 
