@@ -21,6 +21,10 @@ from megatron_tp_overlap.engine import paired
 from megatron_tp_overlap.engine.space import TuningConfig
 
 WARM_ITERS = 1  # not measured: the first real iteration allocates the optimizer state
+# Not measured either: the first iteration after each switch. It pays one-off costs of the new config: TE's
+# destroy_ub() resets torch.compile's caches, so Megatron's compiled fusions (megatron.core.jit.jit_fuser) compile
+# again in it (+235-295 ms on a 229 ms iteration, H200, benchmarks/results/2026-11-23_h200x1/compile_reset/).
+SETTLE_ITERS = 1
 
 
 @dataclass
@@ -29,7 +33,7 @@ class Verdict:
     interval: paired.Interval  # gain of the tuned config per iteration (ms; positive: faster)
     reference_ms: float  # median iteration of the reference
     tuned_ms: float
-    iterations: int
+    iterations: int  # training iterations the verification spanned (measured, warm and settling)
     message: str
     reverted: bool  # the run went back to the reference
     switch_s_median: float | None = None  # seconds per config switch between iterations (outside their times)
@@ -49,8 +53,25 @@ class Verdict:
 
 
 def quads_for(iters: int) -> int:
-    """ABBA quadruples of one iteration per block for ``iters`` requested iterations (at least 6: a 95% interval)."""
+    """ABBA quadruples of one iteration per block for ``iters`` measured iterations (at least 6: a 95% interval)."""
     return max(paired.MIN_PAIRS, math.ceil(iters / 4))
+
+
+def schedule(order: list[int]) -> list[tuple[int, bool]]:
+    """(config, measured) per training iteration: ``WARM_ITERS`` on the tuned config (B), then ``order`` with
+    ``SETTLE_ITERS`` unmeasured iterations after every switch (A1 B2 A2 ... B2 A1: one switch per run)."""
+    out, live = [(paired.B, False)] * WARM_ITERS, paired.B
+    for x, n in paired.runs(order):
+        if x != live:
+            out += [(x, False)] * SETTLE_ITERS
+            live = x
+        out += [(x, True)] * n
+    return out
+
+
+def span(iters: int) -> int:
+    """Training iterations the verification of ``iters`` measured iterations takes, warm and settling included."""
+    return len(schedule(paired.abba(quads_for(iters))))
 
 
 @dataclass
@@ -76,6 +97,7 @@ class InRunVerification:
 
     def __post_init__(self) -> None:
         self.order = paired.abba(quads_for(self.iters))
+        self.plan = schedule(self.order)
         self._i = 0  # iterations seen
         self._t0 = 0.0
         self._live: TuningConfig | None = self.tuned
@@ -85,8 +107,7 @@ class InRunVerification:
         return self.verdict is not None
 
     def _config_at(self, i: int) -> TuningConfig:
-        j = i - WARM_ITERS
-        return self.tuned if j < 0 or self.order[j] == paired.B else self.reference
+        return self.tuned if self.plan[min(i, len(self.plan) - 1)][0] == paired.B else self.reference
 
     def before(self) -> None:
         """Before a training iteration: the config of this iteration goes live, the clock starts."""
@@ -106,7 +127,7 @@ class InRunVerification:
         if self.done:
             return None
         self.sync()
-        if self._i >= WARM_ITERS:
+        if self.plan[self._i][1]:
             self.times_ms.append(1e3 * (self.clock() - self._t0))
         self._i += 1
         if len(self.times_ms) < len(self.order):
@@ -129,15 +150,16 @@ class InRunVerification:
             f"{-100 * iv.estimate / ref:+.2f}%) vs {self.reference_name}, measured in this run "
             f"({len(times)} iterations, ABBA; {ref:.1f} vs {tun:.1f} ms median)"
         )
+        n = len(self.plan)
         if iv.faster:
-            return Verdict(self.tuned, iv, ref, tun, len(times), f"[tp-overlap-autotune] {measured}: keeping it", False)
+            return Verdict(self.tuned, iv, ref, tun, n, f"[tp-overlap-autotune] {measured}: keeping it", False)
         why = "slower" if iv.slower else "not faster beyond the interval"
         return Verdict(
             TuningConfig(self.reference.ub, self.reference.disabled, "reference"),
             iv,
             ref,
             tun,
-            len(times),
+            n,
             f"[tp-overlap-autotune] {measured}: {why}, so the run goes back to {self.reference_name}",
             True,
         )

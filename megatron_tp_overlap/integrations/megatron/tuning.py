@@ -201,7 +201,7 @@ def _verification(
     import torch
 
     from megatron_tp_overlap.engine.measure import agree_max
-    from megatron_tp_overlap.engine.verify import InRunVerification, quads_for
+    from megatron_tp_overlap.engine.verify import InRunVerification, span
 
     ref = TuningConfig(reference, frozenset(), "reference")
     if options.verify_iters <= 0 or switcher is None or tuned.config == ref:
@@ -228,7 +228,7 @@ def _verification(
                 log(f"{TAG} WARNING could not update the cache entry: {e}")
 
     log(
-        f"{TAG} verifying in the run: the next {4 * quads_for(options.verify_iters) + 1} iterations alternate the "
+        f"{TAG} verifying in the run: the next {span(options.verify_iters)} iterations alternate the "
         f"{tuned.config.label} config and the starting one (ABBA)"
     )
     return InRunVerification(
