@@ -61,6 +61,7 @@ class FakeTE:
     def destroy_ub(self):
         self._ub_communicators = None
         self.destroys += 1
+        torch.compiler.reset()  # as TE 2.20 does
 
 
 class SimClock:

@@ -203,3 +203,70 @@ def test_step_and_fingerprint_leave_no_gradients_and_repeat_exactly():
     with torch.no_grad():
         model[0].weight.add_(1e-2)
     assert not torch.equal(torch.as_tensor(a), torch.as_tensor(fingerprint()))
+
+
+def _compiled_from(path, source: str, name: str):
+    """``name`` from ``source`` written at ``path`` and imported from there (its code objects carry that path)."""
+    import importlib.util
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(f"compiled_{abs(hash(str(path)))}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return getattr(mod, name)
+
+
+FUSION = """
+import torch
+def scale(y):
+    return y * 3
+@torch.compile(backend="eager")
+def bias_swiglu(x, b):
+    return torch.nn.functional.silu(x + b) * scale(x)
+"""
+MODEL = """
+import torch
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+    def forward(self, x):
+        return self.fc(x).relu()
+"""
+
+
+def test_a_switch_keeps_megatrons_compiled_fusions_but_not_other_compiled_code(fake_te, tmp_path):
+    """TE's destroy_ub() resets torch.compile (the fake does too); Megatron's elementwise fusions cannot hold a
+    userbuffers constant, so their compiled code survives a switch; a compiled module could, so it is reset."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list as entries
+
+    torch.compiler.reset()
+    fused = _compiled_from(tmp_path / "megatron/core/fusions/fused_bias_swiglu.py", FUSION, "bias_swiglu")
+    x = torch.randn(4, 4, requires_grad=True)
+    fused(x, torch.randn(4)).sum().backward()
+    code = fused._torchdynamo_orig_callable.__code__
+    assert entries(code) and ub_runtime.compiled_beyond_fusions() == []
+
+    sw = ub_runtime.UbSwitcher(fakes.fake_init_args(), find_overlap_modules(fakes.fake_model(layers=1)))
+    sw.apply(TuningConfig(UbConfig()))
+    sw.apply(TuningConfig(UbConfig().with_entry("fc2_fprop", GemmOverlapConfig(method="pipeline", num_sm=8))))
+    assert fake_te.destroys == 1 and sw.compiled_kept == 1 and entries(code)  # kept: no recompilation
+    assert torch.compiler.reset is not None and torch.compiler.reset.__module__ == "torch.compiler"  # restored
+
+    block = torch.compile(_compiled_from(tmp_path / "user/model.py", MODEL, "Block")(), backend="eager")
+    block(x).sum().backward()
+    assert [f.rsplit("/", 1)[-1] for f in ub_runtime.compiled_beyond_fusions()] == ["model.py:forward"]
+    sw.apply(TuningConfig(UbConfig()))
+    assert fake_te.destroys == 2 and sw.compiled_kept == 1 and not entries(code)  # TE's reset ran
+    torch.compiler.reset()
+
+
+def test_fusion_names_are_matched_exactly():
+    f = ub_runtime._is_fusion
+    assert f("/x/megatron/core/fusions/fused_bias_gelu.py", "bias_gelu")
+    assert f("/x/megatron/core/transformer/torch_norm.py", "_norm")
+    assert f("/x/megatron/core/transformer/torch_norm.py", "torch_dynamo_resume_in__norm_at_95")
+    assert not f("/x/megatron/core/transformer/torch_norm.py", "forward")
+    assert not f("/x/megatron/core/transformer/attention.py", "forward")
+    assert not f("/x/mymegatron/core/fusions_extra/a.py", "g")

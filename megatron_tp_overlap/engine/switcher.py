@@ -68,6 +68,63 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+# Functions whose compiled code may outlive a switch: Megatron's fused elementwise functions (compiled by
+# megatron.core.jit.jit_fuser, i.e. torch.compile): they take tensors and never call a TE module, so none of their
+# graphs can hold a userbuffers communicator's is_fp8_ubuf() baked in. (path suffix, function names; None: all)
+ELEMENTWISE_FUSIONS: tuple[tuple[str, tuple[str, ...] | None], ...] = (
+    ("megatron/core/fusions/", None),
+    ("megatron/core/activations.py", None),
+    ("megatron/core/transformer/utils.py", ("gelu_impl", "erf_gelu")),
+    ("megatron/core/transformer/torch_norm.py", ("_norm",)),
+    ("megatron/core/transformer/attention.py", ("_apply_output_gate",)),
+)
+
+
+def _is_fusion(filename: str, name: str) -> bool:
+    path = filename.replace("\\", "/")
+    for suffix, names in ELEMENTWISE_FUSIONS:
+        where = path.endswith(suffix) if suffix.endswith(".py") else f"/{suffix}" in path
+        if where and (
+            names is None or any(name == n or name.startswith(f"torch_dynamo_resume_in_{n}_") for n in names)
+        ):
+            return True
+    return False
+
+
+def compiled_beyond_fusions() -> list[str]:
+    """``file:function`` of each function torch.compile holds compiled code for, other than
+    :data:`ELEMENTWISE_FUSIONS` (``["<unknown>"]`` when torch's internals cannot be read: then nothing is assumed)."""
+    try:
+        from torch._dynamo import convert_frame
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+        codes = [c for ref in list(convert_frame.input_codes.seen) if (c := ref()) is not None]
+        return sorted(
+            f"{c.co_filename}:{c.co_name}"
+            for c in codes
+            if _debug_get_cache_entry_list(c) and not _is_fusion(c.co_filename, c.co_name)
+        )
+    except (ImportError, AttributeError, TypeError):  # a torch without these internals
+        return ["<unknown>"]
+
+
+@contextlib.contextmanager
+def keeping_compiled_fusions() -> Iterator[bool]:
+    """TE's ``destroy_ub()`` calls ``torch.compiler.reset()``, for graphs that traced TE's modules and baked a
+    communicator's ``is_fp8_ubuf()``; it also throws away Megatron's compiled fusions, which then compile again in
+    the next step (+0.24-0.29 s per switch on H200, benchmarks/results/2026-11-23_h200x1/compile_reset/). When
+    nothing but those fusions is compiled, the reset is skipped inside this block. Yields whether it is."""
+    if compiled_beyond_fusions():
+        yield False
+        return
+    reset = torch.compiler.reset
+    torch.compiler.reset = lambda: None
+    try:
+        yield True
+    finally:
+        torch.compiler.reset = reset
+
+
 def _te_base() -> Any:
     from transformer_engine.pytorch.module import base  # TE's public module path used by Megatron
 
@@ -148,6 +205,7 @@ class UbSwitcher:
     reinit_seconds: list[float] = field(default_factory=list)
     recoverable: Callable[[Callable[[], None]], Any] = lambda recover: contextlib.nullcontext()
     bootstrap_timeout_s: float | None = None  # gloo bootstrap groups: a collective waiting longer raises
+    compiled_kept: int = 0  # switches that kept torch.compile's code (keeping_compiled_fusions)
     _bootstrap: dict[str, Any] = field(default_factory=dict)  # key of TE's new_group call -> the group
 
     @contextlib.contextmanager
@@ -228,7 +286,9 @@ class UbSwitcher:
                     + "; ".join(stale[:3])
                 )
         self.barrier()
-        base.destroy_ub()  # the communicators were referenced by TE alone: freed here, no collection needed
+        with keeping_compiled_fusions() as kept:
+            base.destroy_ub()  # the communicators were referenced by TE alone: freed here, no collection needed
+        self.compiled_kept += kept
         _sync()
         self.barrier()
 
