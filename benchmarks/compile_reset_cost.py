@@ -6,8 +6,9 @@ switch, and Megatron compiles its fused activation / bias-dropout-add functions 
 
 One process (no TP needed: the cost is in the compiled functions, not in userbuffers) runs Megatron-LM's own
 ``pretrain_gpt.py`` (mock data, bf16, GPT 4 layers h4096 ffn14336 32/8 heads seq 4096, SwiGLU) with each
-``train_step`` timed (CUDA-synchronized, ms), and ``torch.compiler.reset()`` called before the iterations in
-``--reset-at``, as a switch would. Per iteration: wall ms, Dynamo graphs compiled during it, Python GC runs
+``train_step`` timed (CUDA-synchronized, ms), and before the iterations in ``--reset-at`` what a switch does to
+torch.compile: ``--destroy te`` TE's ``destroy_ub()`` as it is (it calls ``torch.compiler.reset()``), ``--destroy
+switcher`` the same inside the switcher's ``keeping_compiled_fusions()``. Per iteration: wall ms, Dynamo graphs compiled during it, Python GC runs
 (by generation) during it. Writes ``compile_reset_cost.json`` and prints a table: the iterations after a reset
 against the median of the others.
 """
@@ -15,6 +16,7 @@ against the median of the others.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -28,11 +30,13 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 
-def inner(out: Path, reset_at: set[int], argv: list[str]) -> None:
+def inner(out: Path, reset_at: set[int], destroy: str, argv: list[str]) -> None:
     import megatron.training.training as training
     import torch
     from torch._dynamo.utils import counters
+    from transformer_engine.pytorch.module import base as te_base
 
+    from megatron_tp_overlap.engine.switcher import compiled_beyond_fusions, keeping_compiled_fusions
     from megatron_tp_overlap.integrations.megatron.launcher import run_script
 
     records: list[dict] = []
@@ -50,7 +54,8 @@ def inner(out: Path, reset_at: set[int], argv: list[str]) -> None:
         reset_ms = 0.0
         if i in reset_at:
             t = time.perf_counter()
-            torch.compiler.reset()
+            with keeping_compiled_fusions() if destroy == "switcher" else contextlib.nullcontext():
+                te_base.destroy_ub()
             reset_ms = 1e3 * (time.perf_counter() - t)
         graphs, runs = counters["stats"]["unique_graphs"], list(gc_runs)
         t = time.perf_counter()
@@ -73,8 +78,19 @@ def inner(out: Path, reset_at: set[int], argv: list[str]) -> None:
         run_script(argv)
     finally:
         if int(os.environ.get("RANK", "0")) == 0:
+            from torch._dynamo import convert_frame
+            from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+            codes = [c for r in convert_frame.input_codes.seen if (c := r()) is not None]
+            compiled = sorted(f"{c.co_filename}:{c.co_name}" for c in codes if _debug_get_cache_entry_list(c))
             out.mkdir(parents=True, exist_ok=True)
-            (out / "compile_reset_cost.json").write_text(json.dumps(records, indent=1) + "\n")
+            run = {
+                "destroy": destroy,
+                "iterations": records,
+                "compiled": compiled,
+                "beyond_fusions": compiled_beyond_fusions(),
+            }
+            (out / f"compile_reset_cost_{destroy}.json").write_text(json.dumps(run, indent=1) + "\n")
 
 
 def summarize(records: list[dict], skip: int = 3) -> dict:
@@ -105,13 +121,14 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=32)
     p.add_argument("--reset-at", default="10,16,22,28", help="iterations (0-based) before which the reset runs")
     p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--destroy", default="te,switcher", help="comma list of: te, switcher (one run each)")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     a, rest = p.parse_known_args()
     out = Path(a.out)
     reset_at = {int(x) for x in a.reset_at.split(",") if x}
     if a.inner:
-        inner(out, reset_at, rest)
+        inner(out, reset_at, a.destroy, rest)
         return
     from megatron_autotune import model_args
 
@@ -119,20 +136,24 @@ def main() -> None:
         tp=1, pp=1, layers=4, hidden=4096, ffn=14336, heads=32, kv_groups=8, seq=a.seq, global_batch=4, iters=a.iters
     )
     args = [x for x in model_args(margs) if x != "--sequence-parallel"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", __file__, "--inner"]
-    cmd += ["--out", str(out), "--reset-at", a.reset_at, a.script, *args]
-    print(" ".join(cmd), flush=True)
-    proc = subprocess.run(cmd)
-    records = json.loads((out / "compile_reset_cost.json").read_text())
-    s = summarize(records)
-    (out / "compile_reset_cost_summary.json").write_text(json.dumps(s, indent=1) + "\n")
-    print(json.dumps(s, indent=1))
-    print("\n| iteration | ms | reset before | graphs compiled | GC runs (gen 0/1/2) |\n|---|---|---|---|---|")
-    for r in records:
-        print(
-            f"| {r['iteration']} | {r['ms']:.1f} | {'yes' if r['reset_before'] else ''} | {r['graphs_compiled']} | {r['gc_runs']} |"
-        )
-    sys.exit(proc.returncode)
+    rc = 0
+    for destroy in a.destroy.split(","):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", __file__, "--inner"]
+        cmd += ["--out", str(out), "--reset-at", a.reset_at, "--destroy", destroy, a.script, *args]
+        print(" ".join(cmd), flush=True)
+        rc = rc or subprocess.run(cmd).returncode
+        run = json.loads((out / f"compile_reset_cost_{destroy}.json").read_text())
+        s = summarize(run["iterations"])
+        (out / f"compile_reset_cost_{destroy}_summary.json").write_text(json.dumps(s, indent=1) + "\n")
+        print(f"--destroy {destroy}: compiled {run['compiled']}; beyond the fusions: {run['beyond_fusions']}")
+        print(json.dumps({k: v for k, v in s.items() if k != "gc_runs_per_iteration_gen2"}, indent=1))
+        print("\n| iteration | ms | switch before | graphs compiled | GC runs (gen 0/1/2) |\n|---|---|---|---|---|")
+        for r in run["iterations"]:
+            print(
+                f"| {r['iteration']} | {r['ms']:.1f} | {'yes' if r['reset_before'] else ''} | {r['graphs_compiled']} "
+                f"| {r['gc_runs']} |"
+            )
+    sys.exit(rc)
 
 
 if __name__ == "__main__":
