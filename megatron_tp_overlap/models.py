@@ -1,7 +1,8 @@
 """Model dimensions from a Hugging Face model name or a local config directory.
 
 Resolution order: a local directory with a ``config.json``; the Hugging Face hub when it is reachable (and
-``HF_HUB_OFFLINE`` is not set); the local Hugging Face cache; the configs shipped with the package
+``HF_HUB_OFFLINE`` is not set; reachable: a TCP connection to the hub, or to the HTTPS proxy, opens within 2 s,
+since on an offline GPU node the hub client otherwise retries for ~23 s per lookup); the local Hugging Face cache; the configs shipped with the package
 (``model_configs/<org>/<name>/config.json``: Llama 2, Llama 3/3.1, Qwen3 0.6B-32B, GPT-3 1.3B-175B). All load
 through ``transformers.AutoConfig``; :attr:`ModelDims.source` says which one answered (and the hub revision).
 An unknown name is one clear error saying where it looked.
@@ -9,6 +10,10 @@ An unknown name is one clear error saying where it looked.
 
 from __future__ import annotations
 
+import functools
+import os
+import socket
+import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,9 +60,31 @@ def _suggestion(name: str) -> str:
 
 
 def _hub_offline() -> bool:
-    import os
-
     return os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
+
+
+PROBE_TIMEOUT_S = 2.0
+
+
+@functools.lru_cache(maxsize=8)
+def _reachable(url: str, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
+    """Whether a TCP connection to ``url``'s host and port opens within ``timeout_s`` (once per process)."""
+    u = urllib.parse.urlparse(url if "://" in url else f"http://{url}")
+    if not u.hostname:
+        return False
+    try:
+        with socket.create_connection((u.hostname, u.port or (443 if u.scheme == "https" else 80)), timeout=timeout_s):
+            return True
+    except OSError:  # no route, no DNS, refused, timed out
+        return False
+
+
+def _hub_reachable() -> bool:
+    """The hub (``HF_ENDPOINT``), or the HTTPS proxy the hub client would go through, answers a TCP connect."""
+    if _hub_offline():
+        return False
+    proxy = os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy")
+    return _reachable(proxy or os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
 
 
 def find_config(name_or_path: str) -> tuple[Any, str]:
@@ -75,7 +102,7 @@ def find_config(name_or_path: str) -> tuple[Any, str]:
             ) from None
     tried = ["a local directory"]
     for where, kw in (("hub", {}), ("HF cache", {"local_files_only": True})):
-        if where == "hub" and _hub_offline():
+        if where == "hub" and not _hub_reachable():
             continue
         tried.append(f"the Hugging Face {'hub' if where == 'hub' else 'cache'}")
         try:

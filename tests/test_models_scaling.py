@@ -57,8 +57,10 @@ def test_unknown_model_is_a_clear_error():
 class FakeHub:
     """``AutoConfig.from_pretrained`` with a mocked hub and cache; local paths load for real."""
 
-    def __init__(self, monkeypatch, hub=None, cache=None):
+    def __init__(self, monkeypatch, hub=None, cache=None, reachable=True):
         from transformers import AutoConfig
+
+        from megatron_tp_overlap import models
 
         real = AutoConfig.from_pretrained
         self.calls = []
@@ -75,6 +77,7 @@ class FakeHub:
             return cfg
 
         monkeypatch.setattr(AutoConfig, "from_pretrained", from_pretrained)
+        monkeypatch.setattr(models, "_reachable", lambda url: reachable)  # the TCP probe (tests have no network)
         monkeypatch.setenv("HF_HUB_OFFLINE", "0")
 
 
@@ -110,3 +113,34 @@ def test_scaling_recommends_the_largest_efficient_tp():
     assert scaling_report({1: 10.0, 2: 9.0})[0] == 1
     with pytest.raises(ValueError, match="TP=1"):
         scaling_report({2: 1.0})
+
+
+def test_an_unreachable_hub_is_not_asked(monkeypatch):
+    """An offline node: the hub client would retry for ~23 s per lookup; the probe says no and the cache answers."""
+    hub = FakeHub(monkeypatch, hub=(1234, "abc"), cache=(999, "c0ffee"), reachable=False)
+    assert load_model_dims("acme/Private-7B").source == "HF cache@c0ffee"
+    assert all(local_only for _, local_only in hub.calls)
+
+
+def test_the_reachability_probe_is_quick_and_goes_through_the_proxy(monkeypatch):
+    import socket
+    import time
+
+    from megatron_tp_overlap import models
+
+    with socket.socket() as s:  # a port nobody listens on: refused at once
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    models._reachable.cache_clear()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+    monkeypatch.delenv("HTTPS_PROXY", raising=False)
+    monkeypatch.delenv("https_proxy", raising=False)
+    t = time.perf_counter()
+    assert not models._hub_reachable() and time.perf_counter() - t < models.PROBE_TIMEOUT_S
+    with socket.socket() as server:  # a listening "proxy": the probe asks it, not the (closed) endpoint
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        monkeypatch.setenv("HTTPS_PROXY", f"http://127.0.0.1:{server.getsockname()[1]}")
+        assert models._hub_reachable()
+    models._reachable.cache_clear()
