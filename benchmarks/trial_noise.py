@@ -14,6 +14,12 @@ Two phases on the same model, after 10 warm steps:
 Per step: GPU time (CUDA events, ms), host wall time, Python GC runs by generation, the SM clock and power (NVML)
 read right after the step, and the CUDA allocator's device allocations. Writes ``trial_noise.json`` and prints
 the step time by position since the switch, against the steady phase.
+
+``--abba-repeats N`` then calibrates the tuner's final decision on these steps: the search's own ABBA procedure
+(``Searcher._abba``, ``min_quads`` quadruples of ``block_steps``-step blocks, a simulated switch between runs) on
+two configs that cost the same (A/A: the interval should hold zero) and on a candidate made slower by a known GPU
+delay (``--delay-pct`` of a step, ``torch.cuda._sleep`` inside its steps, its length measured with CUDA events),
+N times each, interleaved: the interval's half-width in % of a step and how often each is decided.
 """
 
 from __future__ import annotations
@@ -97,6 +103,74 @@ def profile(steps, trials: int, idle_s: float) -> dict:
     return {"records": records, "idle_s": idle_s}
 
 
+def abba_calibration(steps, repeats: int, idle_s: float, delay_pct: float) -> list[dict]:
+    """The search's ABBA decision between equal configs and against a known slowdown (see the module docstring)."""
+    import torch
+
+    from megatron_tp_overlap.engine.search import Measurement, Searcher, SearchOptions
+    from megatron_tp_overlap.engine.space import TuningConfig
+    from megatron_tp_overlap.engine.trial import Contender
+    from megatron_tp_overlap.ub.config import GemmOverlapConfig, UbConfig
+
+    def timed(fn) -> float:
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b)
+
+    step_ms = statistics.median(timed(steps.step) for _ in range(5))
+    cycles = 10_000_000
+    per_cycle = statistics.median(timed(lambda: torch.cuda._sleep(cycles)) for _ in range(5)) / cycles
+    delay_cycles = int(delay_pct / 100 * step_ms / per_cycle)
+    ref = TuningConfig(UbConfig(), frozenset(), "reference")
+    same = TuningConfig(
+        UbConfig().with_entry("fc2_fprop", GemmOverlapConfig(method="pipeline", num_sm=8)), label="same"
+    )
+    slower = TuningConfig(
+        UbConfig().with_entry("fc2_fprop", GemmOverlapConfig(method="pipeline", num_sm=4)), label="slower"
+    )
+    live, t0 = [None], time.perf_counter()
+
+    def evaluate(config, n: int, warmup: int) -> Measurement:
+        t = time.perf_counter()
+        if config != live[0]:  # a switch: what the switcher does besides the re-init, and the re-init's idle GPU
+            gc.collect()
+            torch.cuda.synchronize()
+            time.sleep(idle_s)
+            live[0] = config
+        extra = (lambda: torch.cuda._sleep(delay_cycles)) if config == slower else (lambda: None)
+        for _ in range(warmup):
+            extra()
+            steps.step()
+        ms = [timed(lambda: (extra(), steps.step())) for _ in range(n)]
+        return Measurement({"step": ms}, ms, time.perf_counter() - t0, n + warmup, time.perf_counter() - t)
+
+    out = []
+    opts = SearchOptions(max_steps=10**6, max_seconds=1e9, max_quads=6)  # min_quads (6) quadruples: the first look
+    for r in range(repeats):
+        for kind, cand in (("A/A", same), (f"A/B +{delay_pct:g}%", slower)):
+            s = Searcher(None, {}, evaluate, None, opts)
+            s._slot_samples = {}
+            d = s._abba(Contender("reference", ref), Contender(kind, cand))
+            iv = d["slot_interval"]
+            out.append(
+                {
+                    "repeat": r,
+                    "kind": kind,
+                    "true_gain_ms": 0.0 if cand == same else -delay_cycles * per_cycle,
+                    "estimate_ms": iv.estimate,
+                    "half_width_ms": iv.half_width,
+                    "half_width_pct": d["noise_pct_of_step"],
+                    "decided": "faster" if iv.faster else "slower" if iv.slower else "within the interval",
+                    "reference_step_ms": d["reference_step_ms"],
+                    "quadruples": d["quadruples"],
+                }
+            )
+    return out
+
+
 def summarize(records: list[dict]) -> dict:
     """Median GPU ms (and its spread, p90 - p10) by position since the switch, the steady phase as one group;
     how many steps ran a GC of each generation; mean SM clock by position."""
@@ -126,7 +200,7 @@ def summarize(records: list[dict]) -> dict:
     return out
 
 
-def inner(out: Path, trials: int, idle_s: float, argv: list[str]) -> None:
+def inner(out: Path, trials: int, idle_s: float, abba: int, delay_pct: float, argv: list[str]) -> None:
     import megatron.training.training as training
     from megatron.training import get_args
 
@@ -137,6 +211,8 @@ def inner(out: Path, trials: int, idle_s: float, argv: list[str]) -> None:
     def train(forward_step_func, model, optimizer, scheduler, data_iterator, *rest, **kw):
         steps = MegatronSteps(model, forward_step_func, optimizer, data_iterator, RunShape.from_args(get_args()))
         result = profile(steps, trials, idle_s)
+        if abba:
+            result["abba"] = abba_calibration(steps, abba, idle_s, delay_pct)
         if int(os.environ.get("RANK", "0")) == 0:
             out.mkdir(parents=True, exist_ok=True)
             (out / "trial_noise.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -152,12 +228,14 @@ def main() -> None:
     p.add_argument("--trials", type=int, default=40)
     p.add_argument("--idle-s", type=float, default=0.2, help="host seconds per simulated switch (a re-init: ~0.2)")
     p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--abba-repeats", type=int, default=0, help="ABBA decisions per kind (A/A, A/B) to calibrate")
+    p.add_argument("--delay-pct", type=float, default=0.5, help="the A/B candidate's extra GPU time, % of a step")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     a, rest = p.parse_known_args()
     out = Path(a.out)
     if a.inner:
-        inner(out, a.trials, a.idle_s, rest)
+        inner(out, a.trials, a.idle_s, a.abba_repeats, a.delay_pct, rest)
         return
     from megatron_autotune import model_args
 
@@ -166,7 +244,8 @@ def main() -> None:
     )
     args = [x for x in model_args(margs) if x != "--sequence-parallel"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", __file__, "--inner", "--out", str(out)]
-    cmd += ["--trials", str(a.trials), "--idle-s", str(a.idle_s), a.script, *args]
+    cmd += ["--trials", str(a.trials), "--idle-s", str(a.idle_s), "--abba-repeats", str(a.abba_repeats)]
+    cmd += ["--delay-pct", str(a.delay_pct), a.script, *args]
     print(" ".join(cmd), flush=True)
     rc = subprocess.run(cmd).returncode
     run = json.loads((out / "trial_noise.json").read_text())
@@ -180,6 +259,15 @@ def main() -> None:
             f"{v['sm_clock_mhz_mean']} |"
         )
     print(f"| steady, back to back | {s['steady']['median']} | {s['steady']['p10_p90']} | - | - |")
+    if run.get("abba"):
+        print(
+            "\n| decision | repeat | true gain ms | estimate ms | +- ms | +- % of step | decided |\n|---|---|---|---|---|---|---|"
+        )
+        for d in run["abba"]:
+            print(
+                f"| {d['kind']} | {d['repeat']} | {d['true_gain_ms']:+.3f} | {d['estimate_ms']:+.3f} | "
+                f"{d['half_width_ms']:.3f} | {d['half_width_pct']} | {d['decided']} |"
+            )
     sys.exit(rc)
 
 
