@@ -103,7 +103,7 @@ def profile(steps, trials: int, idle_s: float) -> dict:
     return {"records": records, "idle_s": idle_s}
 
 
-def abba_calibration(steps, repeats: int, idle_s: float, delay_pct: float) -> list[dict]:
+def abba_calibration(steps, repeats: int, idle_s: float, delay_pct: float, block_steps: int = 3) -> list[dict]:
     """The search's ABBA decision between equal configs and against a known slowdown (see the module docstring)."""
     import torch
 
@@ -148,7 +148,7 @@ def abba_calibration(steps, repeats: int, idle_s: float, delay_pct: float) -> li
         return Measurement({"step": ms}, ms, time.perf_counter() - t0, n + warmup, time.perf_counter() - t)
 
     out = []
-    opts = SearchOptions(max_steps=10**6, max_seconds=1e9, max_quads=6)  # min_quads (6) quadruples: the first look
+    opts = SearchOptions(max_steps=10**6, max_seconds=1e9, max_quads=6, block_steps=block_steps)  # 6: the first look
     for r in range(repeats):
         for kind, cand in (("A/A", same), (f"A/B +{delay_pct:g}%", slower)):
             s = Searcher(None, {}, evaluate, None, opts)
@@ -200,7 +200,9 @@ def summarize(records: list[dict]) -> dict:
     return out
 
 
-def inner(out: Path, trials: int, idle_s: float, abba: int, delay_pct: float, argv: list[str]) -> None:
+def inner(
+    out: Path, trials: int, idle_s: float, abba: int, delay_pct: float, block_steps: int, argv: list[str]
+) -> None:
     import megatron.training.training as training
     from megatron.training import get_args
 
@@ -212,7 +214,7 @@ def inner(out: Path, trials: int, idle_s: float, abba: int, delay_pct: float, ar
         steps = MegatronSteps(model, forward_step_func, optimizer, data_iterator, RunShape.from_args(get_args()))
         result = profile(steps, trials, idle_s)
         if abba:
-            result["abba"] = abba_calibration(steps, abba, idle_s, delay_pct)
+            result["abba"] = abba_calibration(steps, abba, idle_s, delay_pct, block_steps)
         if int(os.environ.get("RANK", "0")) == 0:
             out.mkdir(parents=True, exist_ok=True)
             (out / "trial_noise.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -230,12 +232,13 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--abba-repeats", type=int, default=0, help="ABBA decisions per kind (A/A, A/B) to calibrate")
     p.add_argument("--delay-pct", type=float, default=0.5, help="the A/B candidate's extra GPU time, % of a step")
+    p.add_argument("--block-steps", type=int, default=3, help="steps per ABBA block (the search's default: 3)")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     a, rest = p.parse_known_args()
     out = Path(a.out)
     if a.inner:
-        inner(out, a.trials, a.idle_s, a.abba_repeats, a.delay_pct, rest)
+        inner(out, a.trials, a.idle_s, a.abba_repeats, a.delay_pct, a.block_steps, rest)
         return
     from megatron_autotune import model_args
 
@@ -245,7 +248,7 @@ def main() -> None:
     args = [x for x in model_args(margs) if x != "--sequence-parallel"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", __file__, "--inner", "--out", str(out)]
     cmd += ["--trials", str(a.trials), "--idle-s", str(a.idle_s), "--abba-repeats", str(a.abba_repeats)]
-    cmd += ["--delay-pct", str(a.delay_pct), a.script, *args]
+    cmd += ["--delay-pct", str(a.delay_pct), "--block-steps", str(a.block_steps), a.script, *args]
     print(" ".join(cmd), flush=True)
     rc = subprocess.run(cmd).returncode
     run = json.loads((out / "trial_noise.json").read_text())
