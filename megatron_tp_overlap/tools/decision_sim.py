@@ -2,7 +2,8 @@
 
 A simulated GPT layer stack (qkv/proj/fc1/fc2, 12 GEMMs) where every config's true cost is known; each
 scenario adds what real trial steps show (H200, Megatron-LM): per-slot GPU noise, host jitter on the step,
-a step time that drifts (ramp) or jumps (+25% for a third of the budget), a periodic slow step. Per seed a
+a step time that drifts (ramp) or jumps (+25% for a third of the budget), a periodic slow step, the power
+limit's clock oscillation (measured: benchmarks/results/2026-11-23_h200x1/trial_noise/). Per seed a
 few options of a few GEMMs are truly faster (together ``gain`` of the step), or none is (``equal``). The
 search runs on it unchanged (:class:`~engine.search.Searcher` with the default options) and is scored by
 the true cost of what it chose:
@@ -39,7 +40,7 @@ STEP_MS = 100.0  # reference step
 GEMM_MS = 3.0  # each of the 12 GEMMs (+ its communication) under the reference: 36 ms of the step in slots
 OFF_MS = 4.5  # a GEMM with overlap off
 SLOT_NOISE = 0.005  # relative GPU noise per slot and step
-SCENARIOS = ("iid", "ramp", "jump", "periodic", "position", "jitter")
+SCENARIOS = ("iid", "ramp", "jump", "periodic", "position", "jitter", "power")
 
 
 @dataclass
@@ -71,7 +72,9 @@ def make_world(space: dict[str, list[Option]], gain: float, rng: random.Random) 
     return World(fast)
 
 
-def disturbance(scenario: str, budget_steps: int) -> Callable[[int, int, random.Random], tuple[float, float, float]]:
+def disturbance(
+    scenario: str, budget_steps: int, phase: float = 0.0
+) -> Callable[[int, int, random.Random], tuple[float, float, float]]:
     """Per step (index since tuning began, index since the last switch): (factor on GPU time, extra host ms on
     the step, relative GPU noise per slot)."""
 
@@ -88,6 +91,8 @@ def disturbance(scenario: str, budget_steps: int) -> Callable[[int, int, random.
             return 1 + 0.01 * min(since, 4) + (0.08 if since == 2 else 0.0), 0.0, SLOT_NOISE
         if scenario == "jitter":  # 2% host jitter on the step; a host-bound GPU waits inside the layers too
             return 1.0, rng.gauss(0, 0.02 * STEP_MS), 0.02
+        if scenario == "power":  # the power limit moving the clocks: +-1.5% with a period of 4.5 steps (H200, measured)
+            return 1 + 0.015 * math.sin(2 * math.pi * i / 4.5 + phase), 0.0, SLOT_NOISE
         raise ValueError(f"unknown scenario {scenario!r}")
 
     return f
@@ -98,7 +103,8 @@ class SimulatedRun:
 
     def __init__(self, world: World, scenario: str, rng: random.Random, budget_steps: int):
         self.world, self.rng, self.i, self.since, self.live = world, rng, 0, 0, None
-        self.disturb = disturbance(scenario, budget_steps)
+        phase = rng.uniform(0, 2 * math.pi) if scenario == "power" else 0.0  # where in its period the run starts
+        self.disturb = disturbance(scenario, budget_steps, phase)
 
     def __call__(self, config: TuningConfig, steps: int, warmup: int) -> Measurement:
         if config != self.live:
