@@ -52,26 +52,46 @@ class Verdict:
         }
 
 
-def quads_for(iters: int) -> int:
-    """ABBA quadruples of one iteration per block for ``iters`` measured iterations (at least 6: a 95% interval)."""
-    return max(paired.MIN_PAIRS, math.ceil(iters / 4))
+# Real iterations vary by ~1.1% (sd) on H200, the power limit moving the clocks with a period of ~1 s
+# (benchmarks/results/2026-11-23_h200x1/trial_noise/); with one iteration per block, 24 iterations give a 95%
+# interval of about +-2.4% of an iteration, wider than the gains at stake, so a faster config would be sent back.
+# Blocks of several iterations (their median) average the oscillation: 6 quadruples of 4-iteration blocks give
+# about +-0.4% on that noise (tools/verify_sim.py).
+ITERS_PER_BLOCK_QUAD = 24  # measured iterations per step of the block length: 24 -> 1-iteration blocks, 96 -> 4
 
 
-def schedule(order: list[int]) -> list[tuple[int, bool]]:
-    """(config, measured) per training iteration: ``WARM_ITERS`` on the tuned config (B), then ``order`` with
-    ``SETTLE_ITERS`` unmeasured iterations after every switch (A1 B2 A2 ... B2 A1: one switch per run)."""
+def design(iters: int) -> tuple[int, int]:
+    """(quadruples, iterations per block) for ``iters`` measured iterations: blocks of ``iters // 24`` iterations
+    (at least 1), as many quadruples as ``iters`` fills (at least 6: a 95% interval)."""
+    block = max(1, iters // ITERS_PER_BLOCK_QUAD)
+    return max(paired.MIN_PAIRS, math.ceil(iters / (4 * block))), block
+
+
+def schedule(order: list[int], block: int = 1) -> list[tuple[int, bool]]:
+    """(config, measured) per training iteration: ``WARM_ITERS`` on the tuned config (B), then ``order`` in blocks
+    of ``block`` iterations with ``SETTLE_ITERS`` unmeasured iterations after every switch (A1 B2 A2 ... B2 A1: one
+    switch per run)."""
     out, live = [(paired.B, False)] * WARM_ITERS, paired.B
     for x, n in paired.runs(order):
         if x != live:
             out += [(x, False)] * SETTLE_ITERS
             live = x
-        out += [(x, True)] * n
+        out += [(x, True)] * (n * block)
     return out
 
 
 def span(iters: int) -> int:
     """Training iterations the verification of ``iters`` measured iterations takes, warm and settling included."""
-    return len(schedule(paired.abba(quads_for(iters))))
+    quads, block = design(iters)
+    return len(schedule(paired.abba(quads), block))
+
+
+def fitting(iters: int, remaining: int | None) -> int:
+    """The most measured iterations, at most ``iters``, whose verification ends within ``remaining`` training
+    iterations (None: unknown, ``iters``); 0 when not even the shortest one (6 quadruples of one iteration) fits."""
+    if remaining is None or iters <= 0 or span(iters) <= remaining:
+        return iters
+    return next((n for n in range(iters - 1, 0, -1) if span(n) <= remaining), 0)
 
 
 @dataclass
@@ -96,8 +116,9 @@ class InRunVerification:
     switch_s: list[float] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
-        self.order = paired.abba(quads_for(self.iters))
-        self.plan = schedule(self.order)
+        quads, self.block = design(self.iters)
+        self.order = paired.abba(quads)
+        self.plan = schedule(self.order, self.block)
         self._i = 0  # iterations seen
         self._t0 = 0.0
         self._live: TuningConfig | None = self.tuned
@@ -130,7 +151,7 @@ class InRunVerification:
         if self.plan[self._i][1]:
             self.times_ms.append(1e3 * (self.clock() - self._t0))
         self._i += 1
-        if len(self.times_ms) < len(self.order):
+        if len(self.times_ms) < len(self.order) * self.block:
             return None
         self.verdict = self._decide(self.agree(self.times_ms))
         self.verdict.switch_s_median = statistics.median(self.switch_s) if self.switch_s else None
@@ -142,13 +163,15 @@ class InRunVerification:
         return self.verdict
 
     def _decide(self, times: list[float]) -> Verdict:
-        iv = paired.gain_interval(paired.quad_gains(times, self.order))
-        ref = statistics.median(t for t, w in zip(times, self.order) if w == paired.A)
-        tun = statistics.median(t for t, w in zip(times, self.order) if w == paired.B)
+        b = self.block
+        blocks = [statistics.median(times[i * b : (i + 1) * b]) for i in range(len(self.order))]
+        iv = paired.gain_interval(paired.quad_gains(blocks, self.order))
+        ref = statistics.median(t for i, t in enumerate(times) if self.order[i // b] == paired.A)
+        tun = statistics.median(t for i, t in enumerate(times) if self.order[i // b] == paired.B)
         measured = (
             f"tuned config: {-iv.estimate:+.3f} ms/iter (+-{iv.half_width:.3f}, {iv.level:.0%} CI; "
             f"{-100 * iv.estimate / ref:+.2f}%) vs {self.reference_name}, measured in this run "
-            f"({len(times)} iterations, ABBA; {ref:.1f} vs {tun:.1f} ms median)"
+            f"({len(times)} iterations, ABBA in blocks of {b}; {ref:.1f} vs {tun:.1f} ms median)"
         )
         n = len(self.plan)
         if iv.faster:

@@ -107,6 +107,7 @@ def tune_before_training(
         options,
         reference_config(getattr(state.cfg.model, "tp_comm_overlap_cfg", None)),
         out,
+        remaining_iters=_remaining_iters(state),
     )
     state.cfg.model.tp_comm_overlap_cfg = str(out)  # what the rest of the run (and a saved config) uses
     try:
@@ -118,6 +119,13 @@ def tune_before_training(
         follow(tuned.recipe)
         tuned.on_recipe.append(follow)  # the in-run verification may go back to the starting config
     return tuned.data_iterator, getattr(tuned, "verification", None)
+
+
+def _remaining_iters(state: Any) -> int | None:
+    """Training iterations the Bridge run has left (None when it counts samples, not iterations)."""
+    total = getattr(getattr(state.cfg, "train", None), "train_iters", None)
+    done = getattr(getattr(state, "train_state", None), "step", 0) or 0
+    return total - done if isinstance(total, int) and total > 0 else None
 
 
 def follow_recipe(model_cfg: Any, overlap: Any) -> Callable[[Any], None]:

@@ -168,12 +168,19 @@ class AutotuneCommOverlapCallback(MegatronCommOverlapCallback):
             self.options,
             reference_config(self.tp_comm_overlap_cfg),
             self.output_path(trainer),
+            remaining_iters=_remaining_iters(trainer),
         )
         try:  # what a later stage's userbuffers initialization (validation/test) uses
             self.tp_comm_overlap_cfg = to_layer_cfg(self.tuned.config.ub, run.tp, framework_classes("NeMo 2"))
         except ValueError:  # a GEMM the dataclass cannot hold: the YAML says it all
             pass
         return self.tuned.data_iterator
+
+
+def _remaining_iters(trainer: Any) -> int | None:
+    """Optimizer steps the Lightning trainer has left (None: no ``max_steps``, e.g. epochs or -1)."""
+    total = getattr(trainer, "max_steps", -1)
+    return total - (getattr(trainer, "global_step", 0) or 0) if isinstance(total, int) and total > 0 else None
 
 
 __all__ = ["AutotuneCommOverlapCallback"]

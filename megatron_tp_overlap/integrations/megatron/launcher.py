@@ -156,6 +156,7 @@ def _train_after_tuning(original_train: Callable) -> Callable:
                 output_path(args),
                 trial_context=lambda: _fatal_checks_paused(args),
                 check_state=os.environ.get(CHECK_STATE_ENV) == "1",
+                remaining_iters=args.train_iters - (getattr(args, "iteration", 0) or 0) if args.train_iters else None,
             )
             train_data_iterator, verification = tuned.data_iterator, tuned.verification
         with verifying(mtraining, "train_step", verification):

@@ -128,6 +128,7 @@ def tune(
     trial_context: Callable[[], ContextManager] = contextlib.nullcontext,
     check_state: bool = False,
     log: Optional[Callable[..., None]] = None,
+    remaining_iters: Optional[int] = None,
 ) -> Tuned:
     """Tune the userbuffers config of the live ``model`` (Megatron's model chunks, userbuffers initialized with
     ``reference``) before the first iteration; the chosen config is left applied and written to ``output``
@@ -135,7 +136,8 @@ def tune(
 
     ``trial_context``: entered around the trial steps (e.g. to pause the framework's fatal NaN checks: the
     numerics guard rejects such a candidate instead). ``check_state``: verify bitwise that tuning left the
-    training state untouched (slow; for tests and benchmarks).
+    training state untouched (slow; for tests and benchmarks). ``remaining_iters``: training iterations the run
+    has left (None: unknown); the in-run verification is shortened to end within them.
     """
     import torch
     import transformer_engine
@@ -164,7 +166,7 @@ def tune(
         if found is not None:
             reused, switcher = found
             tuned = Tuned(reused, steps.data_iterator, output, _recipe(reused, model, output), reused=True, model=model)
-            tuned.verification = _verification(tuned, reference, switcher, options, key, cache, log)
+            tuned.verification = _verification(tuned, reference, switcher, options, key, cache, log, remaining_iters)
             return tuned
 
     state_check = _state_check(model, optimizer, steps) if check_state else None
@@ -187,13 +189,20 @@ def tune(
     tuned.recipe = _recipe(tuned.config, model, output)  # the search kept to this run's dgrad mode
     _write_outputs(tuned, key, cache, time.perf_counter() - t0, log)
     _tensorboard(result)
-    tuned.verification = _verification(tuned, reference, switcher, options, key, cache, log)
+    tuned.verification = _verification(tuned, reference, switcher, options, key, cache, log, remaining_iters)
     torch.distributed.barrier()
     return tuned
 
 
 def _verification(
-    tuned: Tuned, reference: UbConfig, switcher: Any, options: TuneOptions, key: Any, cache: Any, log: Callable
+    tuned: Tuned,
+    reference: UbConfig,
+    switcher: Any,
+    options: TuneOptions,
+    key: Any,
+    cache: Any,
+    log: Callable,
+    remaining: Optional[int] = None,
 ) -> Any:
     """The in-run verification of ``tuned`` against ``reference`` (None when off or when they are the same config);
     its verdict goes into the report, and a config that is not faster is replaced by the reference in the YAML and
@@ -201,11 +210,21 @@ def _verification(
     import torch
 
     from megatron_tp_overlap.engine.measure import agree_max
-    from megatron_tp_overlap.engine.verify import InRunVerification, span
+    from megatron_tp_overlap.engine.verify import InRunVerification, fitting, span
 
     ref = TuningConfig(reference, frozenset(), "reference")
     if options.verify_iters <= 0 or switcher is None or tuned.config == ref:
         return None
+    iters = fitting(options.verify_iters, remaining)
+    if iters == 0:
+        log(
+            f"{TAG} in-run verification skipped: the run has {remaining} iterations left, the shortest verification "
+            f"takes {span(1)}"
+        )
+        tuned.notes.append("in-run verification skipped: too few iterations left")
+        return None
+    if iters < options.verify_iters:
+        log(f"{TAG} in-run verification shortened to {iters} measured iterations: the run has {remaining} left")
 
     def on_verdict(v: Any) -> None:
         tuned.notes.append(v.message)
@@ -228,13 +247,13 @@ def _verification(
                 log(f"{TAG} WARNING could not update the cache entry: {e}")
 
     log(
-        f"{TAG} verifying in the run: the next {span(options.verify_iters)} iterations alternate the "
+        f"{TAG} verifying in the run: the next {span(iters)} iterations alternate the "
         f"{tuned.config.label} config and the starting one (ABBA)"
     )
     return InRunVerification(
         tuned.config,
         ref,
-        options.verify_iters,
+        iters,
         apply=switcher.apply,
         agree=lambda v: agree_max(v, None, "cuda"),
         sync=torch.cuda.synchronize,
