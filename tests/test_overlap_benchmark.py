@@ -77,3 +77,47 @@ def test_predecessor_effect_plan_interleaves_every_order():
     assert [o for o, _ in p] == list(pe.ORDERS) * 3 and dict(p)["flags"] == "off"
     s = pe.summarize({"same": [1.0, 3.0, 2.0], "flags": []})
     assert s == {"same": {"median": 2.0, "spread": 2.0, "rounds": 3}}
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(
+        name, Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_compile_reset_summary_takes_the_iterations_after_each_switch_against_the_rest():
+    cr = _load("compile_reset_cost")
+    ms = [4000.0, 300.0, 230.0, 230.0, 232.0, 480.0, 231.0, 229.0, 230.0, 470.0, 228.0, 230.0]
+    recs = [
+        {"iteration": i, "ms": m, "reset_before": i in (5, 9), "reset_ms": 0.4, "graphs_compiled": 4 * (i in (0, 5, 9))}
+        | {"gc_runs": [1, 0, 0]}
+        for i, m in enumerate(ms)
+    ]
+    s = cr.summarize(recs)
+    assert s["steady_ms_median"] == 230.0 and s["resets"] == 2
+    assert s["extra_ms_after_reset"]["iteration +1"] == [250.0, 240.0]
+    assert s["extra_ms_after_reset"]["iteration +2"] == [1.0, -2.0]
+    assert s["graphs_compiled_after_reset"] == [4, 4] and s["graphs_compiled_first_iterations"] == [4, 0, 0]
+
+
+def test_trial_noise_summary_groups_steps_by_position_since_the_switch():
+    tn = _load("trial_noise")
+    rec = lambda phase, pos, ms, gc=(0, 0, 0): {  # noqa: E731
+        "phase": phase,
+        "position": pos,
+        "gpu_ms": ms,
+        "wall_ms": ms + 0.1,
+        "gc_runs": list(gc),
+        "sm_clock_mhz": 1600,
+        "power_w": 600.0,
+        "device_allocs": 0,
+    }
+    recs = [rec("trials", p, 100.0 + p, (1, 0, 0) if p == 0 else (0, 0, 0)) for _ in range(5) for p in range(4)]
+    recs += [rec("steady", i % 4, 105.0, (0, 1, 0) if i == 3 else (0, 0, 0)) for i in range(20)]
+    s = tn.summarize(recs)
+    assert [s["by_position"][p]["median"] for p in (1, 2, 3, 4)] == [100.0, 101.0, 102.0, 103.0]
+    assert s["steady"]["median"] == 105.0 and s["steady"]["n"] == 20
+    assert s["trials_steps_with_gc"] == [5, 0, 0] and s["steady_steps_with_gc"] == [0, 1, 0]
