@@ -16,7 +16,7 @@ read right after the step, and the CUDA allocator's device allocations. Writes `
 the step time by position since the switch, against the steady phase.
 
 ``--abba-repeats N`` then calibrates the tuner's final decision on these steps: the search's own ABBA procedure
-(``Searcher._abba``, ``min_quads`` quadruples of ``block_steps``-step blocks, a simulated switch between runs) on
+(``Searcher.abba``, ``min_quads`` quadruples of ``block_steps``-step blocks, a simulated switch between runs) on
 two configs that cost the same (A/A: the interval should hold zero) and on a candidate made slower by a known GPU
 delay (``--delay-pct`` of a step, ``torch.cuda._sleep`` inside its steps, its length measured with CUDA events),
 N times each, interleaved: the interval's half-width in % of a step and how often each is decided.
@@ -152,8 +152,7 @@ def abba_calibration(steps, repeats: int, idle_s: float, delay_pct: float, block
     for r in range(repeats):
         for kind, cand in (("A/A", same), (f"A/B +{delay_pct:g}%", slower)):
             s = Searcher(None, {}, evaluate, None, opts)
-            s._slot_samples = {}
-            d = s._abba(Contender("reference", ref), Contender(kind, cand))
+            d = s.abba(Contender("reference", ref), Contender(kind, cand))
             iv = d["slot_interval"]
             out.append(
                 {

@@ -66,6 +66,7 @@ class Searcher:
         self.planned_trials = 0
         self.block_steps = self.opt.block_steps  # of the final decision (plan_decision may shrink it)
         self._trial_s, self._trial_steps = 0.0, 0  # summed over trials that report their own wall time
+        self._slot_samples: dict[TuningConfig, dict[str, list[float]]] = {}  # config -> slot -> every sample
 
     def _verify(self, config: TuningConfig) -> str | None:
         if self.verify is None:
@@ -233,7 +234,7 @@ class Searcher:
         return statistics.median(vals) if vals else 0.0
 
     def coordinate(self, reference: TuningConfig, baselines: dict[str, TuningConfig]) -> SearchResult:
-        self._slot_samples: dict[TuningConfig, dict[str, list[float]]] = {}
+        self._slot_samples = {}
         o = self.opt
         contenders = {"reference": reference, **baselines}
         incumbent = reference
@@ -370,7 +371,7 @@ class Searcher:
                 eligible.remove(best)
                 continue
             # 2. the reference against the selected config, in ABBA quadruples, until the interval decides
-            decision = self._abba(ref, best)
+            decision = self.abba(ref, best)
             slot, step = decision["slot_interval"], decision["step_interval"]
             ref_ms = decision["reference_step_ms"]
             if slot.faster and not step.slower:
@@ -474,7 +475,7 @@ class Searcher:
             return []
         return [sum(c[i] for c in cols) for i in range(min(len(c) for c in cols))]
 
-    def _abba(self, ref: Contender, cand: Contender) -> dict:
+    def abba(self, ref: Contender, cand: Contender) -> dict:
         """ABBA quadruples of ``block_steps``-step blocks; from ``min_quads`` on, stop as soon as the slot-time
         interval excludes zero (either way) or cannot hold a gain of ``rel_floor`` of the step any more, or at
         the budget. Per quadruple the reference runs A1 then (after the candidate's two blocks) A2 and the next
