@@ -6,7 +6,7 @@ lines of our messages (what a user reads), for each of:
 1. Megatron-LM ``pretrain_gpt.py`` with ``--tp-comm-overlap-autotune-rtol 5`` (a bad flag value);
 2. the same with ``--tp-comm-overlap-cfg`` of a YAML whose ``[`` is never closed;
 3. the main job with ``tp_overlap.secnds=5`` (a typo);
-4. ``--tp-comm-overlap-autotune-output`` that is a directory;
+4. ``--tp-comm-overlap-autotune-output`` that is a directory, and one that cannot be created (``/proc/nope/...``);
 5. every trial failing (``--tp-comm-overlap-autotune-trial-timeout 0.001``): the run must train on;
 6. SIGTERM to torchrun in the middle of tuning: the YAML already at the output path must be left as it was, and no
    temporary file left beside it.
@@ -68,6 +68,7 @@ def main() -> int:
         "bad_yaml": [*script, "--tp-comm-overlap-cfg", str(out / "bad.yaml")],
         "bad_override": [*run, "-m", "megatron_tp_overlap.train", "tp_overlap.secnds=5"],
         "output_is_a_directory": [*script, "--tp-comm-overlap-autotune-output", str(out)],
+        "output_unwritable": [*script, "--tp-comm-overlap-autotune-output", "/proc/nope/tuned.yaml"],
         "every_trial_fails": [
             *script,
             "--tp-comm-overlap-autotune-trial-timeout",

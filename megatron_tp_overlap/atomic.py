@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -37,12 +38,36 @@ def atomic_write_text(path: str | Path, text: str, backup: bool = False) -> Path
 
 
 def unwritable(folder: str | Path) -> str | None:
-    """Why files cannot be created in ``folder`` (made if missing), or None. Checked before GPU work."""
-    probe = Path(folder).expanduser().absolute()
+    """Why files cannot be created in ``folder`` (made if missing), or None. Checked before GPU work, by trying:
+    ``os.access`` says yes to root even where nothing can be created (``/proc/nope``, a read-only mount). The probe
+    creates the first missing folder (then removes it) or a temporary file in the folder (then removes it); ranks
+    probing one place at once can undo each other's folder, so a failure is tried again before it counts."""
+    why = None
+    for _ in range(3):
+        why = _probe(Path(folder).expanduser().absolute())
+        if why is None:
+            return None
+    return why
+
+
+def _probe(target: Path) -> str | None:
+    probe, missing = target, None
     while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
+        probe, missing = probe.parent, probe
     if not probe.is_dir():
         return f"{probe} is not a folder"
-    if not os.access(probe, os.W_OK | os.X_OK):
-        return f"{folder}: the nearest existing folder {probe} is not writable"
+    try:
+        if missing is not None:
+            try:
+                os.mkdir(missing)
+            except FileExistsError:  # created meanwhile (another rank probing): it can be
+                return None
+            with contextlib.suppress(OSError):
+                os.rmdir(missing)
+        else:
+            fd, tmp = tempfile.mkstemp(dir=probe, prefix=".megatron_tp_overlap.probe.")
+            os.close(fd)
+            os.unlink(tmp)
+    except OSError as e:
+        return f"cannot create {missing if missing is not None else f'files in {probe}'} ({e.strerror or e})"
     return None

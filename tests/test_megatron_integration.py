@@ -454,3 +454,17 @@ def test_sigterm_during_tuning_interrupts_like_ctrl_c_and_the_handler_comes_back
         os.kill(os.getpid(), signal.SIGTERM)
     assert seen == [signal.SIGTERM]
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+@pytest.mark.skipif(not Path("/proc/self").exists(), reason="needs Linux /proc")
+def test_an_output_nothing_can_be_created_in_is_refused_also_for_root(tmp_path):
+    """os.access says yes to root for /proc; the check tries instead (issue 21: /proc/nope/tuned.yaml ran 71.7 s of
+    tuning, then raised FileNotFoundError). A place that can be created is accepted and nothing is left behind."""
+    from megatron_tp_overlap.integrations.megatron.flags import output_problems
+
+    (p,) = output_problems(Path("/proc/nope/tuned.yaml"), "--tp-comm-overlap-autotune-output")
+    assert "cannot write the tuned YAML there" in p and "cannot create /proc/nope" in p
+    (p,) = output_problems(Path("/proc/tuned.yaml"), "o")
+    assert "cannot create files in /proc" in p
+    assert output_problems(tmp_path / "a" / "b" / "t.yaml", "o") == [] and list(tmp_path.iterdir()) == []
+    assert output_problems(tmp_path / "t.yaml", "o") == [] and list(tmp_path.iterdir()) == []
