@@ -21,9 +21,11 @@ from megatron_tp_overlap.engine import paired
 from megatron_tp_overlap.engine.space import TuningConfig
 
 WARM_ITERS = 1  # not measured: the first real iteration allocates the optimizer state
-# Not measured either: the first iteration after each switch. It pays one-off costs of the new config: TE's
-# destroy_ub() resets torch.compile's caches, so Megatron's compiled fusions (megatron.core.jit.jit_fuser) compile
-# again in it (+235-295 ms on a 229 ms iteration, H200, benchmarks/results/2026-11-23_h200x1/compile_reset/).
+# Not measured either: the first iteration after each switch. It pays the switch's one-off costs and gets its
+# idle gap's power headroom (H200: the first step after a switch ran 4.4% faster than one back to back,
+# benchmarks/results/2026-11-23_h200x1/trial_noise/); and where TE's destroy_ub() still resets torch.compile (a
+# compiled model, engine.switcher.keeping_compiled_fusions), compiled code compiles again in it (+0.20-0.29 s on a
+# 0.23 s iteration, ../compile_reset/).
 SETTLE_ITERS = 1
 
 
