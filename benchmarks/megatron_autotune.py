@@ -235,6 +235,14 @@ def main() -> None:
         )
         if v:
             print(f"[{tag}] in-run verification: {v.get('message')}", flush=True)
+            after = results["autotune"]["iter_ms"][v["iterations"] + 1 :] if "autotune" in results else []
+            if len(after) >= 3:  # the iterations after the verification's switching: the config the run kept
+                results["autotune"]["iter_ms_median_after_verification"] = round(statistics.median(after), 2)
+                print(
+                    f"[{tag}] after the verification ({v['kept']} kept): iter median {statistics.median(after):.1f} ms "
+                    f"over {len(after)} iterations",
+                    flush=True,
+                )
     (out / f"megatron_{tag}.json").write_text(json.dumps(results, indent=1))
     print(f"\n| {tag} | run | iter ms (median, iters 6+) | spread | rc |\n|---|---|---|---|---|")
     for k, v in results.items():
