@@ -2,8 +2,9 @@
 
 Resolution order: a local directory with a ``config.json``; the Hugging Face hub when it is reachable (and
 ``HF_HUB_OFFLINE`` is not set; reachable: a TCP connection to the hub, or to the HTTPS proxy, opens within 2 s,
-since on an offline GPU node the hub client otherwise retries for ~23 s per lookup); the local Hugging Face cache; the configs shipped with the package
-(``model_configs/<org>/<name>/config.json``: Llama 2, Llama 3/3.1, Qwen3 0.6B-32B, GPT-3 1.3B-175B). All load
+since on an offline GPU node the hub client otherwise retries for ~23 s per lookup); the local Hugging Face cache;
+the configs shipped with the package (``model_configs/<org>/<name>/config.json``: Llama 2, Llama 3/3.1, Qwen3
+0.6B-32B, GPT-3 1.3B-175B). All load
 through ``transformers.AutoConfig``; :attr:`ModelDims.source` says which one answered (and the hub revision).
 An unknown name is one clear error saying where it looked.
 """
