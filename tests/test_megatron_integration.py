@@ -2,6 +2,7 @@
 where ``megatron.training`` imports (Python >= 3.12 with megatron-core; skipped on CI's 3.11)."""
 
 import argparse
+import contextlib
 import itertools
 import sys
 from pathlib import Path
@@ -468,3 +469,41 @@ def test_an_output_nothing_can_be_created_in_is_refused_also_for_root(tmp_path):
     assert "cannot create files in /proc" in p
     assert output_problems(tmp_path / "a" / "b" / "t.yaml", "o") == [] and list(tmp_path.iterdir()) == []
     assert output_problems(tmp_path / "t.yaml", "o") == [] and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("failure", ["trial", "topology", "interrupt"])
+def test_a_failed_tuning_trains_on_and_only_an_interrupt_ends_the_run(monkeypatch, failure):
+    """``_search``: every trial failing or a topology mismatch falls back to the starting config (the run trains on);
+    Ctrl-C still ends it. (The interrupt clause once came first and caught the failures too, ending the run.)"""
+    import types
+
+    import torch
+
+    from megatron_tp_overlap.engine.search import TrialFailed
+    from megatron_tp_overlap.engine.tuner import TopologyMismatch
+    from megatron_tp_overlap.integrations.megatron import tuning
+    from megatron_tp_overlap.ub.config import UbConfig
+
+    raised = {"trial": TrialFailed("every trial failed"), "topology": TopologyMismatch("ranks differ")}
+    applied, lines = [], []
+
+    class Tuner:
+        switcher = types.SimpleNamespace(apply=applied.append)
+
+        def tune(self):
+            raise raised.get(failure) or KeyboardInterrupt()
+
+    monkeypatch.setattr(tuning, "_make_tuner", lambda *a, **k: Tuner())
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda *a: 0)
+    steps = types.SimpleNamespace(zero=lambda: None, snapshot=types.SimpleNamespace(restore=lambda: None))
+    search = lambda: tuning._search(  # noqa: E731
+        None, steps, None, None, None, UbConfig(), contextlib.nullcontext, lines.append
+    )
+    if failure == "interrupt":
+        with pytest.raises(KeyboardInterrupt):
+            search()
+        assert "tuning interrupted" in lines[-1]
+        return
+    assert search() == (None, None)
+    assert "training with the starting config" in lines[-1]
+    assert [c.ub for c in applied] == ([UbConfig()] if failure == "trial" else [])

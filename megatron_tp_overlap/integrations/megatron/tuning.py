@@ -342,14 +342,6 @@ def _search(
     try:
         with trial_context(), progress, interrupt_on_sigterm(signals):
             return tuner.tune(), tuner.switcher
-    except BaseException as e:
-        # Ctrl-C, or SIGTERM from torchrun / the scheduler (whose other handlers, e.g. a DataLoader's, may replace
-        # the KeyboardInterrupt on the way out)
-        if isinstance(e, KeyboardInterrupt) or signals:
-            log(
-                f"{TAG} tuning interrupted: nothing written (an existing YAML, report and cache entry are as they were)"
-            )
-        raise
     except TopologyMismatch as e:  # before any trial, on every rank: the starting config is still live
         log(f"{TAG} WARNING cannot tune this layout: {e}; training with the starting config")
         return None, None
@@ -357,6 +349,14 @@ def _search(
         log(f"{TAG} WARNING tuning failed ({e}); training with the starting config")
         tuner.switcher.apply(TuningConfig(reference, frozenset(), "reference"))
         return None, None
+    except BaseException as e:  # after the two above: a clause is chosen in order, and this one re-raises
+        # Ctrl-C, or SIGTERM from torchrun / the scheduler (whose other handlers, e.g. a DataLoader's, may replace
+        # the KeyboardInterrupt on the way out)
+        if isinstance(e, KeyboardInterrupt) or signals:
+            log(
+                f"{TAG} tuning interrupted: nothing written (an existing YAML, report and cache entry are as they were)"
+            )
+        raise
     finally:
         steps.zero()
         steps.snapshot.restore()
