@@ -130,12 +130,9 @@ def main() -> None:
     if a.inner:
         inner(out, reset_at, a.destroy, rest)
         return
-    from megatron_autotune import model_args
+    from megatron_autotune import one_gpu_args
 
-    margs = argparse.Namespace(
-        tp=1, pp=1, layers=4, hidden=4096, ffn=14336, heads=32, kv_groups=8, seq=a.seq, global_batch=4, iters=a.iters
-    )
-    args = [x for x in model_args(margs) if x != "--sequence-parallel"]
+    args = one_gpu_args(a.seq, a.iters)
     rc = 0
     for destroy in a.destroy.split(","):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", __file__, "--inner"]

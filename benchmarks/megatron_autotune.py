@@ -22,6 +22,15 @@ from pathlib import Path
 
 from megatron_tp_overlap.engine.options import TuneOptions
 
+MODEL = {"layers": 4, "hidden": 4096, "ffn": 14336, "heads": 32, "kv_groups": 8, "global_batch": 4}  # the defaults
+
+
+def one_gpu_args(seq: int, iters: int) -> list[str]:
+    """``model_args`` of the default GPT on one GPU (TP=1: no sequence parallelism), for the measurements that
+    need no TP (benchmarks/compile_reset_cost.py, benchmarks/trial_noise.py)."""
+    a = argparse.Namespace(tp=1, pp=1, seq=seq, iters=iters, **MODEL)
+    return [x for x in model_args(a) if x != "--sequence-parallel"]
+
 
 def model_args(a) -> list[str]:
     return [
@@ -94,13 +103,13 @@ def main() -> None:
     p.add_argument("--gpus", type=int, default=2)
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--pp", type=int, default=1)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=4096)
-    p.add_argument("--ffn", type=int, default=14336)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-groups", type=int, default=8)
+    p.add_argument("--layers", type=int, default=MODEL["layers"])
+    p.add_argument("--hidden", type=int, default=MODEL["hidden"])
+    p.add_argument("--ffn", type=int, default=MODEL["ffn"])
+    p.add_argument("--heads", type=int, default=MODEL["heads"])
+    p.add_argument("--kv-groups", type=int, default=MODEL["kv_groups"])
     p.add_argument("--seq", type=int, default=8192)
-    p.add_argument("--global-batch", type=int, default=4)
+    p.add_argument("--global-batch", type=int, default=MODEL["global_batch"])
     p.add_argument("--iters", type=int, default=25)
     p.add_argument("--budget-s", type=float, default=TuneOptions.seconds)
     p.add_argument(

@@ -239,12 +239,9 @@ def main() -> None:
     if a.inner:
         inner(out, a.trials, a.idle_s, a.abba_repeats, a.delay_pct, a.block_steps, rest)
         return
-    from megatron_autotune import model_args
+    from megatron_autotune import one_gpu_args
 
-    margs = argparse.Namespace(
-        tp=1, pp=1, layers=4, hidden=4096, ffn=14336, heads=32, kv_groups=8, seq=a.seq, global_batch=4, iters=10
-    )
-    args = [x for x in model_args(margs) if x != "--sequence-parallel"]
+    args = one_gpu_args(a.seq, 10)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", __file__, "--inner", "--out", str(out)]
     cmd += ["--trials", str(a.trials), "--idle-s", str(a.idle_s), "--abba-repeats", str(a.abba_repeats)]
     cmd += ["--delay-pct", str(a.delay_pct), "--block-steps", str(a.block_steps), a.script, *args]

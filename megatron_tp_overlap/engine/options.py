@@ -53,10 +53,10 @@ class TuneOptions:
     trial_timeout: float = _opt(120.0, "Seconds: a candidate whose trial takes longer is rejected.")
     verify_iters: int = _opt(
         96,
-        "Measured training iterations after tuning that alternate the tuned config and the starting one (ABBA in "
-        "blocks of verify_iters // 24 iterations, at least 24; the first iteration after each switch runs "
-        "unmeasured: 110 iterations in all for 96) to measure the gain in this run with a 95% interval; if it is not "
-        "faster beyond it, the run goes back to the starting config and rewrites the YAML. 0: off.",
+        "Measured training iterations after tuning that alternate the tuned config and the starting one (ABBA, at "
+        "least 24, in blocks that lengthen as it grows; the first iteration after each switch runs unmeasured) to "
+        "measure the gain in this run with a 95% interval; if it is not faster beyond it, the run goes back to the "
+        "starting config and rewrites the YAML. 0: off.",
         min=0,
     )
 
