@@ -25,10 +25,14 @@ from megatron_tp_overlap.engine.options import TuneOptions
 MODEL = {"layers": 4, "hidden": 4096, "ffn": 14336, "heads": 32, "kv_groups": 8, "global_batch": 4}  # the defaults
 
 
-def one_gpu_args(seq: int, iters: int) -> list[str]:
-    """``model_args`` of the default GPT on one GPU (TP=1: no sequence parallelism), for the measurements that
-    need no TP (benchmarks/compile_reset_cost.py, benchmarks/trial_noise.py)."""
-    a = argparse.Namespace(tp=1, pp=1, seq=seq, iters=iters, **MODEL)
+def one_gpu_args(seq: int, iters: int, **shape: int) -> list[str]:
+    """``model_args`` of the default GPT (``shape``: other values of ``MODEL``'s keys) on one GPU (TP=1: no sequence
+    parallelism), for the measurements that need no TP (benchmarks/compile_reset_cost.py, trial_noise.py,
+    verify_noise.py)."""
+    unknown = set(shape) - set(MODEL)
+    if unknown:
+        raise ValueError(f"model shape keys {sorted(unknown)}: must be among {sorted(MODEL)}")
+    a = argparse.Namespace(tp=1, pp=1, seq=seq, iters=iters, **{**MODEL, **shape})
     return [x for x in model_args(a) if x != "--sequence-parallel"]
 
 

@@ -52,11 +52,11 @@ class TuneOptions:
     )
     trial_timeout: float = _opt(120.0, "Seconds: a candidate whose trial takes longer is rejected.")
     verify_iters: int = _opt(
-        96,
-        "Measured training iterations after tuning that alternate the tuned config and the starting one (ABBA, at "
-        "least 24, in blocks that lengthen as it grows; the first iteration after each switch runs unmeasured) to "
-        "measure the gain in this run with a 95% interval; if it is not faster beyond it, the run goes back to the "
-        "starting config and rewrites the YAML. 0: off.",
+        384,
+        "Most measured training iterations after tuning that alternate the tuned config and the starting one (ABBA "
+        "in blocks of 4 iterations; the first iteration after each switch runs unmeasured) to measure the gain in "
+        "this run with its interval; it stops as soon as the interval decides (from 96 on). If the tuned config is "
+        "not faster beyond the interval, the run goes back to the starting config and rewrites the YAML. 0: off.",
         min=0,
     )
 

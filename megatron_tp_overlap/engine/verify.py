@@ -3,8 +3,9 @@ reference in ABBA order (:mod:`engine.paired`), on the real data and the real op
 
 The framework calls :meth:`InRunVerification.before` and :meth:`~InRunVerification.after` around each of its
 training iterations; both configs already passed the numerics check, so the run trains as it would have.
-After the last measured iteration every rank holds the same verdict (the iteration times are the max over
-ranks, gathered once): the realized gain per iteration with its 95% interval, and the config the run keeps:
+It is sequential: after every quadruple from the 6th on it looks at the interval (every rank on the same
+iteration times, the max over ranks) and stops as soon as a 99% interval decides, or the planned quadruples are
+done (then at 95%). The verdict: the realized gain per iteration with its interval, and the config the run keeps:
 the tuned one only if it is faster beyond the interval, else the reference.
 """
 
@@ -54,18 +55,21 @@ class Verdict:
         }
 
 
-# Real iterations vary by ~1.1% (sd) on H200, the power limit moving the clocks with a period of ~1 s
-# (benchmarks/results/2026-11-23_h200x1/trial_noise/); with one iteration per block, 24 iterations give a 95%
-# interval of about +-2.4% of an iteration, wider than the gains at stake, so a faster config would be sent back.
-# Blocks of several iterations (their median) average the oscillation: 6 quadruples of 4-iteration blocks give
-# about +-0.4% on that noise (tools/verify_sim.py).
-ITERS_PER_BLOCK_QUAD = 24  # measured iterations per step of the block length: 24 -> 1-iteration blocks, 96 -> 4
+# Measured on real Megatron-LM iterations (one H200, benchmarks/results/2026-11-23_h200x1/verify_noise/): after a
+# switch's idle gap the power limit's clock oscillation restarts in phase, iterations 3-4 and 7-8 after a switch
+# running ~3% slower than 1-2 and 5-6 (a period of ~4 iterations, ~1 s); on top, 1.3% (sd) independent noise and
+# rare stalls (a 0.3 s Python GC). Blocks of 4 iterations (their median) hold one whole period, so both configs see
+# the same phases; 6 quadruples of them gave +-0.5-1.9% (95%) of an iteration there, 24 about +-0.4%.
+BLOCK = 4  # iterations per block, when the run has room for 6 quadruples of them
+INTERIM_LEVEL = 0.99  # looks before the last stop only at this level: many looks at 95% would decide by luck
+FLOOR = 0.002  # a look stops (going back) once the interval excludes a gain of this share of an iteration
 
 
 def design(iters: int) -> tuple[int, int]:
-    """(quadruples, iterations per block) for ``iters`` measured iterations: blocks of ``iters // 24`` iterations
-    (at least 1), as many quadruples as ``iters`` fills (at least 6: a 95% interval)."""
-    block = max(1, iters // ITERS_PER_BLOCK_QUAD)
+    """(most quadruples, iterations per block) for at most ``iters`` measured iterations: blocks of ``BLOCK``
+    iterations (fewer when ``iters`` has no room for 6 quadruples of them: at least 1), as many quadruples as
+    ``iters`` fills (at least 6: a 95% interval)."""
+    block = min(BLOCK, max(1, iters // (4 * paired.MIN_PAIRS)))
     return max(paired.MIN_PAIRS, math.ceil(iters / (4 * block))), block
 
 
@@ -146,16 +150,22 @@ class InRunVerification:
         self._t0 = self.clock()
 
     def after(self) -> Verdict | None:
-        """After a training iteration: its time is recorded; after the last one, the verdict (every rank)."""
+        """After a training iteration: its time is recorded; after each quadruple from the 6th on, a look at the
+        interval, and when it decides (or after the last quadruple), the verdict (every rank)."""
         if self.done:
             return None
         self.sync()
-        if self.plan[self._i][1]:
+        measured = self.plan[self._i][1]
+        if measured:
             self.times_ms.append(1e3 * (self.clock() - self._t0))
         self._i += 1
-        if len(self.times_ms) < len(self.order) * self.block:
+        n, per_quad = len(self.times_ms), 4 * self.block
+        if not measured or n % per_quad or n // per_quad < paired.MIN_PAIRS:
             return None
-        self.verdict = self._decide(self.agree(self.times_ms))
+        verdict = self._decide(self.agree(self.times_ms), last=n == len(self.order) * self.block)
+        if verdict is None:
+            return None
+        self.verdict = verdict
         self.verdict.switch_s_median = statistics.median(self.switch_s) if self.switch_s else None
         if self.verdict.keep != self._live:
             self.apply(self.verdict.keep)
@@ -164,27 +174,40 @@ class InRunVerification:
         self.on_verdict(self.verdict)
         return self.verdict
 
-    def _decide(self, times: list[float]) -> Verdict:
+    def _decide(self, times: list[float], last: bool) -> Verdict | None:
+        """The verdict on the quadruples so far, or None to go on: before the last quadruple only a 99% interval
+        that excludes zero, or that excludes a gain of ``FLOOR`` of an iteration, ends the verification."""
         b = self.block
-        blocks = [statistics.median(times[i * b : (i + 1) * b]) for i in range(len(self.order))]
-        iv = paired.gain_interval(paired.quad_gains(blocks, self.order))
-        ref = statistics.median(t for i, t in enumerate(times) if self.order[i // b] == paired.A)
-        tun = statistics.median(t for i, t in enumerate(times) if self.order[i // b] == paired.B)
+        order = self.order[: len(times) // b]
+        blocks = [statistics.median(times[i * b : (i + 1) * b]) for i in range(len(order))]
+        gains = paired.quad_gains(blocks, order)
+        ref = statistics.median(t for i, t in enumerate(times) if order[i // b] == paired.A)
+        tun = statistics.median(t for i, t in enumerate(times) if order[i // b] == paired.B)
+        iv = paired.gain_interval(gains, 0.95 if last else INTERIM_LEVEL)
+        futile = iv.high < FLOOR * ref
+        if not (last or iv.faster or iv.slower or futile):
+            return None
         measured = (
             f"tuned config: {-iv.estimate:+.3f} ms/iter (+-{iv.half_width:.3f}, {iv.level:.0%} CI; "
             f"{-100 * iv.estimate / ref:+.2f}%) vs {self.reference_name}, measured in this run "
-            f"({len(times)} iterations, ABBA in blocks of {b}; {ref:.1f} vs {tun:.1f} ms median)"
+            f"({len(times)} iterations, ABBA in blocks of {b}"
+            f"{'' if last else f', decided before the planned {len(self.order) * b}'}; {ref:.1f} vs {tun:.1f} ms median)"
         )
-        n = len(self.plan)
         if iv.faster:
-            return Verdict(self.tuned, iv, ref, tun, n, f"[tp-overlap-autotune] {measured}: keeping it", False)
-        why = "slower" if iv.slower else "not faster beyond the interval"
+            return Verdict(self.tuned, iv, ref, tun, self._i, f"[tp-overlap-autotune] {measured}: keeping it", False)
+        why = (
+            "slower"
+            if iv.slower
+            else f"not faster by {100 * FLOOR:g}% or more"
+            if futile
+            else "not faster beyond the interval"
+        )
         return Verdict(
             TuningConfig(self.reference.ub, self.reference.disabled, "reference"),
             iv,
             ref,
             tun,
-            n,
+            self._i,
             f"[tp-overlap-autotune] {measured}: {why}, so the run goes back to {self.reference_name}",
             True,
         )

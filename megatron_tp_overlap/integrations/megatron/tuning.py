@@ -247,8 +247,8 @@ def _verification(
                 log(f"{TAG} WARNING could not update the cache entry: {e}")
 
     log(
-        f"{TAG} verifying in the run: the next {span(iters)} iterations alternate the "
-        f"{tuned.config.label} config and the starting one (ABBA)"
+        f"{TAG} verifying in the run: up to the next {span(iters)} iterations alternate the "
+        f"{tuned.config.label} config and the starting one (ABBA; it stops once the interval decides)"
     )
     return InRunVerification(
         tuned.config,
