@@ -3,7 +3,8 @@
 A simulated GPT layer stack (qkv/proj/fc1/fc2, 12 GEMMs) where every config's true cost is known; each
 scenario adds what real trial steps show (H200, Megatron-LM): per-slot GPU noise, host jitter on the step,
 a step time that drifts (ramp) or jumps (+25% for a third of the budget), a periodic slow step, the power
-limit's clock oscillation (measured: benchmarks/results/2026-11-23_h200x1/trial_noise/). Per seed a
+limit's clock oscillation (measured: benchmarks/results/2026-11-23_h200x1/trial_noise/), free-running or restarting
+in phase after every switch (../verify_noise/). Per seed a
 few options of a few GEMMs are truly faster (together ``gain`` of the step), or none is (``equal``). The
 search runs on it unchanged (:class:`~engine.search.Searcher` with the default options) and is scored by
 the true cost of what it chose:
@@ -40,7 +41,7 @@ STEP_MS = 100.0  # reference step
 GEMM_MS = 3.0  # each of the 12 GEMMs (+ its communication) under the reference: 36 ms of the step in slots
 OFF_MS = 4.5  # a GEMM with overlap off
 SLOT_NOISE = 0.005  # relative GPU noise per slot and step
-SCENARIOS = ("iid", "ramp", "jump", "periodic", "position", "jitter", "power")
+SCENARIOS = ("iid", "ramp", "jump", "periodic", "position", "jitter", "power", "locked")
 
 
 @dataclass
@@ -93,6 +94,9 @@ def disturbance(
             return 1.0, rng.gauss(0, 0.02 * STEP_MS), 0.02
         if scenario == "power":  # the power limit moving the clocks: +-1.5% with a period of 4.5 steps (H200, measured)
             return 1 + 0.015 * math.sin(2 * math.pi * i / 4.5 + phase), 0.0, SLOT_NOISE
+        if scenario == "locked":  # the same oscillation restarting in phase after every switch's idle gap, 1.3% noise
+            # (real Megatron-LM iterations on H200: the 3rd-4th step after a switch ~3% slower than the 1st-2nd)
+            return 1 + 0.017 * math.sin(2 * math.pi * (since - 1.5) / 4), 0.0, 0.013
         raise ValueError(f"unknown scenario {scenario!r}")
 
     return f
