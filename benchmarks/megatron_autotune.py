@@ -153,7 +153,18 @@ def main() -> None:
         "te_default": ["--tp-comm-overlap"],
         "no_overlap": [],
     }
-    results = {}
+    results: dict = {  # what scales a layer-level gain to this run's iteration (benchmarks/realized_vs_exhaustive.py)
+        "model": {
+            "layers": a.layers,
+            "seq": a.seq,
+            "micro_batch": 1,
+            "micro_batches_per_iter": a.global_batch // (a.gpus // (a.tp * a.pp)),
+            "tp": a.tp,
+            "pp": a.pp,
+            "fp8": a.fp8,
+            "dims": [a.hidden, a.ffn, a.heads, a.kv_groups],
+        }
+    }
     for run in a.runs.split(","):  # "tuned_yaml.2": a second identical run (run-to-run determinism)
         kind = run.split(".")[0]
         if kind == "recipe":  # a fresh run from the recipe alone (flags to add and drop, the YAML), no tuning

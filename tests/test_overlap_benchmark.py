@@ -1,7 +1,10 @@
-"""The overlap-vs-baselines benchmark's pure parts: efficiency arithmetic, report and chart from a result."""
+"""The benchmarks' pure parts: efficiency arithmetic, report and chart from a result, the realized-vs-exhaustive scaling."""
 
 import importlib.util
+import json
 from pathlib import Path
+
+import pytest
 
 PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "overlap_vs_baselines.py"
 spec = importlib.util.spec_from_file_location("overlap_vs_baselines", PATH)
@@ -121,3 +124,39 @@ def test_trial_noise_summary_groups_steps_by_position_since_the_switch():
     assert [s["by_position"][p]["median"] for p in (1, 2, 3, 4)] == [100.0, 101.0, 102.0, 103.0]
     assert s["steady"]["median"] == 105.0 and s["steady"]["n"] == 20
     assert s["trials_steps_with_gc"] == [5, 0, 0] and s["steady_steps_with_gc"] == [0, 1, 0]
+
+
+def _load(name):
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    s = importlib.util.spec_from_file_location(name, path)
+    m = importlib.util.module_from_spec(s)
+    s.loader.exec_module(m)
+    return m
+
+
+def test_realized_gain_is_judged_against_the_exhaustive_gain_scaled_to_the_run(tmp_path, capsys):
+    rv = _load("realized_vs_exhaustive")
+    case = {
+        "case": "qwen14b_like",
+        "tp": 2,
+        "layers": 2,
+        "seq": 4096,
+        "mbs": 1,
+        "dims": {"hidden": 5120, "ffn": 13824, "heads": 40, "kv_heads": 8},
+        "step_ms": {"TE default": {"median": 20.0}, "slot-exhaustive best": {"median": 19.5}},
+    }
+    model = {"layers": 4, "seq": 4096, "micro_batch": 1, "micro_batches_per_iter": 4, "tp": 2, "pp": 1}
+    model |= {"fp8": False, "dims": [5120, 13824, 40, 8]}
+    assert rv.expected_gain_ms(case, model) == 0.5 * 2 * 4  # per step of 2 layers, 4 layers x 4 micro-batches
+    verdict = {"reverted": False, "gain_ms": 3.5, "ci_low_ms": 1.0, "ci_high_ms": 5.0, "level": 0.99}
+    verdict |= {"kept": "autotuned", "reference_iter_ms": 400.0}
+    run = {"model": model, "tuning": {"in_run_verification": verdict}}
+    row = rv.compare(run, case)
+    assert row["ratio"] == 0.875 and row["met"]
+    assert not rv.compare({**run, "tuning": {"in_run_verification": {**verdict, "reverted": True}}}, case)["met"]
+    with pytest.raises(ValueError, match="seq 4096 vs the run's 8192"):
+        rv.expected_gain_ms(case, {**model, "seq": 8192})
+    (tmp_path / "layer.json").write_text(json.dumps([case]))
+    (tmp_path / "megatron_q.json").write_text(json.dumps(run))
+    rv.main(["--layer", str(tmp_path / "layer.json"), "--run", f"{tmp_path / 'megatron_q.json'}=qwen14b_like"])
+    assert "| megatron_q | qwen14b_like | 3.5 [1.0, 5.0] 99% | 4.0 | 88% | yes |" in capsys.readouterr().out
