@@ -59,7 +59,8 @@ class Verdict:
 # switch's idle gap the power limit's clock oscillation restarts in phase, iterations 3-4 and 7-8 after a switch
 # running ~3% slower than 1-2 and 5-6 (a period of ~4 iterations, ~1 s); on top, 1.3% (sd) independent noise and
 # rare stalls (a 0.3 s Python GC). Blocks of 4 iterations (their median) hold one whole period, so both configs see
-# the same phases; 6 quadruples of them gave +-0.5-1.9% (95%) of an iteration there, 24 about +-0.4%.
+# the same phases. 6 quadruples of them gave a 95% interval of +-0.5-5.7% (median ~1.1%) of an iteration there, 24
+# +-0.30-0.34%: hence up to 24, stopping as soon as the interval decides.
 BLOCK = 4  # iterations per block, when the run has room for 6 quadruples of them
 INTERIM_LEVEL = 0.99  # looks before the last stop only at this level: many looks at 95% would decide by luck
 FLOOR = 0.002  # a look stops (going back) once the interval excludes a gain of this share of an iteration
@@ -87,7 +88,8 @@ def schedule(order: list[int], block: int = 1) -> list[tuple[int, bool]]:
 
 
 def span(iters: int) -> int:
-    """Training iterations the verification of ``iters`` measured iterations takes, warm and settling included."""
+    """Training iterations the verification of at most ``iters`` measured iterations takes when it runs to its end,
+    warm and settling included."""
     quads, block = design(iters)
     return len(schedule(paired.abba(quads), block))
 
