@@ -70,6 +70,62 @@ class Repeated:
             self.current = None
 
 
+def replay(times_ms: list[float], iters: int) -> dict:
+    """The fixed design of ``iters`` measured iterations (one look at its end, 95%) on the first measured iteration
+    times of a longer verification, whose schedule begins the same way: what that design would have decided."""
+    from megatron_tp_overlap.engine import paired
+    from megatron_tp_overlap.engine.verify import design
+
+    quads, block = design(iters)
+    order = paired.abba(quads)
+    t = times_ms[: len(order) * block]
+    if len(t) < len(order) * block:
+        return {}
+    blocks = [statistics.median(t[i * block : (i + 1) * block]) for i in range(len(order))]
+    iv = paired.gain_interval(paired.quad_gains(blocks, order))
+    ref = statistics.median(x for i, x in enumerate(t) if order[i // block] == paired.A)
+    return {"gain_ms": iv.estimate, "half_width_pct": 100 * iv.half_width / ref, "kept": iv.faster}
+
+
+def by_position(iter_ms: list[float], warm: int, verifications: int, iters: int) -> dict[int, float]:
+    """Median time of the measured iterations by their position after the last switch (1 = the first measured one),
+    from every iteration's time of a run (Megatron's log) whose verifications all ran to their end."""
+    from megatron_tp_overlap.engine import paired
+    from megatron_tp_overlap.engine.verify import design, schedule
+
+    quads, block = design(iters)
+    plan = schedule(paired.abba(quads), block)
+    pos: dict[int, list[float]] = {}
+    for v in range(verifications):
+        p = 0
+        for i, (_, measured) in enumerate(plan):
+            p = p + 1 if measured else 0
+            if measured:
+                pos.setdefault(p, []).append(iter_ms[warm + v * len(plan) + i])
+    return {p: statistics.median(x) for p, x in sorted(pos.items())}
+
+
+def analyze(paths: list[str]) -> None:
+    """``--analyze``: per verification of these verify_noise.json files, what the 96-iteration design would have
+    decided on the same iterations; for run 1's Megatron log times, the medians by position after a switch."""
+    for path in paths:
+        d = json.loads(Path(path).read_text())
+        if "iter_ms" in d and "rows" not in d:  # every iteration's time of run 1 (12 verifications of 96)
+            print(path, {p: round(m, 1) for p, m in by_position(d["iter_ms"], 20, 12, 96).items()})
+            continue
+        for r in d["rows"]:
+            old = replay(r.get("iter_ms", []), 96)
+            print(
+                f"{Path(path).name} | {r['kind']} | true {r['true_gain_ms']:.2f} | new {r['gain_ms']:+.3f} "
+                f"[{r['ci_low_ms']}, {r['ci_high_ms']}] {r['level']:.0%} {'back' if r['reverted'] else 'kept'} | "
+                + (
+                    f"96: {old['gain_ms']:+.3f} +-{old['half_width_pct']:.2f}% {'kept' if old['kept'] else 'back'}"
+                    if old
+                    else "-"
+                )
+            )
+
+
 def inner(out: Path, a: argparse.Namespace, argv: list[str]) -> None:
     import megatron.training.training as training
     import torch
@@ -187,8 +243,12 @@ def main() -> None:
         "--shape", default="", help="model overrides, e.g. hidden=3584,ffn=18944,heads=28,kv_groups=4 (MODEL keys)"
     )
     p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--analyze", nargs="+", metavar="JSON", help="no run: replay the 96-iteration design on results")
     p.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     a, rest = p.parse_known_args()
+    if a.analyze:
+        analyze(a.analyze)
+        return
     out = Path(a.out)
     if a.inner:
         inner(out, a, rest)

@@ -223,3 +223,38 @@ def test_the_verify_noise_benchmark_chains_verifications_through_the_launchers_w
     assert made == [5, 5 + span(24), 5 + 2 * span(24)]  # each starts right after the one before
     assert [k for k, _, _ in rep.results] == ["A/A", "A/B", "A/A"]
     assert [v.reverted for _, _, v in rep.results] == [True, False, True]
+
+
+def test_the_verify_noise_analysis_replays_the_short_design_and_finds_the_position_pattern():
+    import importlib.util
+    from pathlib import Path
+
+    from megatron_tp_overlap.engine import paired
+    from megatron_tp_overlap.engine.verify import schedule
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "verify_noise.py"
+    spec = importlib.util.spec_from_file_location("verify_noise", path)
+    vn = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(vn)
+
+    order, rng = paired.abba(24), random.Random(0)
+    faster = [(195.0 if order[i // 4] == paired.B else 200.0) + rng.gauss(0, 0.3) for i in range(384)]
+    r = vn.replay(faster, 96)
+    assert r["kept"] and r["gain_ms"] == pytest.approx(5.0, abs=0.5) and vn.replay(faster[:50], 96) == {}
+    plan = schedule(paired.abba(6), 4)
+    pattern = {1: 230.0, 2: 230.0, 3: 240.0, 4: 240.0}
+    run, p = [999.0] * 20, 0  # 20 warm iterations, then 2 verifications of 96 measured iterations
+    for _ in range(2):
+        for _, measured in plan:
+            p = p + 1 if measured else 0
+            run.append(pattern[(p - 1) % 4 + 1] if measured else 500.0)
+    assert vn.by_position(run, 20, 2, 96) == {
+        1: 230.0,
+        2: 230.0,
+        3: 240.0,
+        4: 240.0,
+        5: 230.0,
+        6: 230.0,
+        7: 240.0,
+        8: 240.0,
+    }
