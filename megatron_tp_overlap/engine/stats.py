@@ -16,7 +16,9 @@ def robust_sigma(values: Sequence[float]) -> float:
 
 
 def pooled_sigma(groups: Sequence[Sequence[float]]) -> float:
-    """Step-to-step spread pooled over groups of repeats of the same thing (residuals to each median, scaled by
-    sqrt(g / (g - 1)): residuals to a group's own centre understate the spread, by a third for pairs)."""
-    resid = [(v - statistics.median(g)) * math.sqrt(len(g) / (len(g) - 1)) for g in groups if len(g) >= 2 for v in g]
-    return robust_sigma(resid) if len(resid) >= 2 else 0.0
+    """Step-to-step spread pooled over groups of repeats of the same thing, from the differences of consecutive
+    samples within each group: ``(x[i+1] - x[i]) / sqrt(2)`` has the samples' spread whatever the group size (residuals
+    to each group's median understated it: 0.59 of it for groups of 3, 0.83-0.90 for 4-8), and a drift between groups
+    does not enter. Their median absolute value (around zero: the differences of repeats centre there) x 1.4826."""
+    diffs = [abs(b - a) / math.sqrt(2) for g in groups for a, b in zip(g, g[1:])]
+    return 1.4826 * statistics.median(diffs) if diffs else 0.0
