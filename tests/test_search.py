@@ -273,3 +273,13 @@ def test_failed_trials_spend_the_time_budget():
     with pytest.raises(TrialFailed):  # the decision cannot measure the reference again
         Searcher(topo, space, evaluate, CTX, opts, elapsed=lambda: ev.t).run(ref, base)
     assert ev.t <= 30 + 5.0  # one trial past the cap at most
+
+
+@pytest.mark.parametrize("max_steps", [1, 20])
+def test_a_budget_too_small_to_compare_anything_says_so(max_steps):
+    topo, space, ref, base = setup()
+    res = Searcher(topo, space, Synthetic(topo), CTX, SearchOptions(max_steps=max_steps, max_seconds=1e9)).run(
+        ref, base
+    )
+    assert res.best_name == "reference" and res.budget_hit
+    assert "ran out before any candidate was measured" in res.reason and "raise the budget" in res.reason

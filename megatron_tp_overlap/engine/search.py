@@ -361,6 +361,12 @@ class Searcher:
         rejected: list[str] = []
         eligible = [c for c in others if c.name in sel and c.name not in self.report_only]
         winner, reason, decision = ref, "no config was faster than the reference in the selection round", {}
+        if not sel and self.budget_hit:  # nothing to compare: say why, not "no config was faster"
+            reason = (
+                f"the budget ({self.opt.max_steps} steps, {self.opt.max_seconds:g} s) ran out before any candidate was "
+                f"measured against the reference ({self.steps_run} steps, {self.elapsed_s:.1f} s run): keeping the "
+                "reference (raise the budget)"
+            )
         while eligible:
             best = min(eligible, key=lambda c: sel[c.name])
             if sel[best.name] >= 0:
