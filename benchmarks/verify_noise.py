@@ -16,7 +16,8 @@ of the kinds ``--kinds`` lists:
 A switch between the two does what a userbuffers switch does to the GPU besides the re-init (one
 ``gc.collect()``, a device sync, ``--idle-s`` seconds of host work with the GPU idle; TP=1, so no userbuffers).
 Writes ``verify_noise.json`` after every verification and prints a table: per verification the interval in ms and
-in % of an iteration, and the verdict.
+in % of an iteration, and the verdict. ``--analyze JSON...`` (no run) replays the earlier 96-iteration design on the
+same iterations and gives the medians by position after a switch.
 """
 
 from __future__ import annotations
