@@ -1,5 +1,6 @@
 """In-run verification on simulated training iterations (a synthetic clock; no timing thresholds)."""
 
+import contextlib
 import random
 import types
 
@@ -38,7 +39,7 @@ class Run:
         self.pending = 0.0
         self.i += 1
 
-    def verify(self, iters=24):
+    def verify(self, iters=24, hold_heap=contextlib.nullcontext):
         return InRunVerification(
             TUNED,
             REF,
@@ -47,6 +48,7 @@ class Run:
             clock=lambda: self.now,
             on_verdict=self.verdicts.append,
             log=lambda *a: None,
+            hold_heap=hold_heap,
         )
 
     def train(self, v, n):
@@ -258,3 +260,37 @@ def test_the_verify_noise_analysis_replays_the_short_design_and_finds_the_positi
         7: 240.0,
         8: 240.0,
     }
+
+
+def test_the_heap_is_frozen_from_the_first_iteration_to_the_verdict():
+    """Each switch collects garbage; over a Megatron process's heap that cost ~0.34 s per switch (H200), so the
+    objects from before the verification stay out of it, as during tuning, and come back after the verdict."""
+    import gc
+
+    before = gc.get_freeze_count()
+    run = Run(tuned_ms=190.0)
+    seen = []
+    apply = run.apply
+    run.apply = lambda c: (seen.append(gc.get_freeze_count()), apply(c))[-1]
+    v = run.verify(hold_heap=InRunVerification.hold_heap)  # the default: heap.frozen
+    run.train(v, span(24))
+    assert v.done and len(seen) >= 2 and all(n > 0 for n in seen)
+    assert gc.get_freeze_count() == before
+
+
+def test_a_heap_frozen_by_someone_else_is_left_as_it_is():
+    import gc
+
+    from megatron_tp_overlap.engine import heap
+
+    gc.freeze()
+    try:
+        n = gc.get_freeze_count()
+        with heap.frozen():
+            assert gc.get_freeze_count() == n
+        assert gc.get_freeze_count() == n  # their freeze, not ours to undo
+    finally:
+        gc.unfreeze()
+    with heap.frozen():
+        assert gc.get_freeze_count() > 0
+    assert gc.get_freeze_count() == 0

@@ -8,7 +8,6 @@ must not keep its outputs (a live autograd graph holds communicators of the curr
 from __future__ import annotations
 
 import contextlib
-import gc
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -18,6 +17,7 @@ from typing import Any
 import torch
 
 from megatron_tp_overlap.engine import faults as fault_injection
+from megatron_tp_overlap.engine import heap
 from megatron_tp_overlap.engine.faults import InjectedFault
 from megatron_tp_overlap.engine.faults import from_env as faults_from_env
 from megatron_tp_overlap.engine.lockstep import GRACE_S, Lockstep
@@ -368,16 +368,8 @@ class Autotuner:
         return {cfg.label: cfg}
 
     def tune(self) -> TuneResult:
-        # Each switch collects garbage (an old autograd graph holding a communicator must die first). The objects
-        # that exist before tuning (the whole framework) are frozen out of those collections: they cost a large
-        # process 10s of ms per collection, and none of them can hold a trial's communicator.
-        gc.collect()  # garbage from before tuning goes now, not frozen with the rest
-        gc.freeze()
-        try:
-            with self.agreeing():
-                return self._tune()
-        finally:
-            gc.unfreeze()
+        with heap.frozen(), self.agreeing():  # each switch's garbage collection skips the framework's objects
+            return self._tune()
 
     @contextlib.contextmanager
     def agreeing(self) -> Iterator[None]:

@@ -11,6 +11,7 @@ the tuned one only if it is faster beyond the interval, else the reference.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import time
@@ -18,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_tp_overlap.engine import paired
+from megatron_tp_overlap.engine import heap, paired
 from megatron_tp_overlap.engine.space import TuningConfig
 
 WARM_ITERS = 1  # not measured: the first real iteration allocates the optimizer state
@@ -118,6 +119,7 @@ class InRunVerification:
     on_verdict: Callable[[Verdict], None] = lambda v: None
     log: Callable[..., None] = print
     reference_name: str = "the starting config"
+    hold_heap: Callable[[], contextlib.AbstractContextManager] = heap.frozen  # from the first iteration to the verdict
     order: list[int] = field(init=False)
     times_ms: list[float] = field(init=False, default_factory=list)
     verdict: Verdict | None = field(init=False, default=None)
@@ -130,6 +132,7 @@ class InRunVerification:
         self._i = 0  # iterations seen
         self._t0 = 0.0
         self._live: TuningConfig | None = self.tuned
+        self._heap = contextlib.ExitStack()  # switches collect garbage: the framework's objects stay out of it
 
     @property
     def done(self) -> bool:
@@ -142,6 +145,8 @@ class InRunVerification:
         """Before a training iteration: the config of this iteration goes live, the clock starts."""
         if self.done:
             return
+        if self._i == 0:
+            self._heap.enter_context(self.hold_heap())
         want = self._config_at(self._i)
         if want != self._live:
             t = self.clock()
@@ -172,6 +177,7 @@ class InRunVerification:
         if self.verdict.keep != self._live:
             self.apply(self.verdict.keep)
             self._live = self.verdict.keep
+        self._heap.close()
         self.log(self.verdict.message)
         self.on_verdict(self.verdict)
         return self.verdict
