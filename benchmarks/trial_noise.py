@@ -36,7 +36,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-STEPS_PER_TRIAL = 4  # 1 warm-up + 3 timed: a screening trial
+STEPS_PER_TRIAL = 4  # 1 warm-up + 3 timed: a screening trial when measured (screening now times 2)
 
 
 def _nvml():
@@ -103,6 +103,26 @@ def profile(steps, trials: int, idle_s: float) -> dict:
     return {"records": records, "idle_s": idle_s}
 
 
+def gpu_ms(fn) -> float:
+    """GPU milliseconds of what ``fn`` enqueues (CUDA events; waits for it)."""
+    import torch
+
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b)
+
+
+def sleep_ms_per_cycle() -> float:
+    """GPU milliseconds per cycle of ``torch.cuda._sleep``, the known delay the benchmarks add (median of 5)."""
+    import torch
+
+    cycles = 10_000_000
+    return statistics.median(gpu_ms(lambda: torch.cuda._sleep(cycles)) for _ in range(5)) / cycles
+
+
 def abba_calibration(steps, repeats: int, idle_s: float, delay_pct: float, block_steps: int = 3) -> list[dict]:
     """The search's ABBA decision between equal configs and against a known slowdown (see the module docstring)."""
     import torch
@@ -112,17 +132,8 @@ def abba_calibration(steps, repeats: int, idle_s: float, delay_pct: float, block
     from megatron_tp_overlap.engine.trial import Contender
     from megatron_tp_overlap.ub.config import GemmOverlapConfig, UbConfig
 
-    def timed(fn) -> float:
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        return a.elapsed_time(b)
-
-    step_ms = statistics.median(timed(steps.step) for _ in range(5))
-    cycles = 10_000_000
-    per_cycle = statistics.median(timed(lambda: torch.cuda._sleep(cycles)) for _ in range(5)) / cycles
+    step_ms = statistics.median(gpu_ms(steps.step) for _ in range(5))
+    per_cycle = sleep_ms_per_cycle()
     delay_cycles = int(delay_pct / 100 * step_ms / per_cycle)
     ref = TuningConfig(UbConfig(), frozenset(), "reference")
     same = TuningConfig(
@@ -144,7 +155,7 @@ def abba_calibration(steps, repeats: int, idle_s: float, delay_pct: float, block
         for _ in range(warmup):
             extra()
             steps.step()
-        ms = [timed(lambda: (extra(), steps.step())) for _ in range(n)]
+        ms = [gpu_ms(lambda: (extra(), steps.step())) for _ in range(n)]
         return Measurement({"step": ms}, ms, time.perf_counter() - t0, n + warmup, time.perf_counter() - t)
 
     out = []

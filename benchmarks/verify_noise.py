@@ -90,7 +90,8 @@ def replay(times_ms: list[float], iters: int) -> dict:
 
 def by_position(iter_ms: list[float], warm: int, verifications: int, iters: int) -> dict[int, float]:
     """Median time of the measured iterations by their position after the last switch (1 = the first measured one),
-    from every iteration's time of a run (Megatron's log) whose verifications all ran to their end."""
+    and under 0 of the iterations that made a switch (the settling ones: the switch's time is inside Megatron's), from
+    every iteration's time of a run (Megatron's log) whose verifications all ran to their end."""
     from megatron_tp_overlap.engine import paired
     from megatron_tp_overlap.engine.verify import design, schedule
 
@@ -101,7 +102,7 @@ def by_position(iter_ms: list[float], warm: int, verifications: int, iters: int)
         p = 0
         for i, (_, measured) in enumerate(plan):
             p = p + 1 if measured else 0
-            if measured:
+            if measured or i > 0:  # i = 0: the warm-up iteration, no switch before it
                 pos.setdefault(p, []).append(iter_ms[warm + v * len(plan) + i])
     return {p: statistics.median(x) for p, x in sorted(pos.items())}
 
@@ -112,7 +113,13 @@ def analyze(paths: list[str]) -> None:
     for path in paths:
         d = json.loads(Path(path).read_text())
         if "iter_ms" in d and "rows" not in d:  # every iteration's time of run 1 (12 verifications of 96)
-            print(path, {p: round(m, 1) for p, m in by_position(d["iter_ms"], 20, 12, 96).items()})
+            pos = by_position(d["iter_ms"], 20, 12, 96)
+            steady = statistics.median(pos[p] for p in pos if p)
+            print(path, "by position after a switch (ms):", {p: round(m, 1) for p, m in pos.items() if p})
+            print(
+                f"  the iteration with a switch: {pos[0]:.1f} ms, so a switch took {pos[0] - steady:.0f} ms "
+                f"(run 1's simulated switch: gc.collect() + a device sync + 200 ms idle)"
+            )
             continue
         for r in d["rows"]:
             old = replay(r.get("iter_ms", []), 96)
@@ -130,6 +137,7 @@ def analyze(paths: list[str]) -> None:
 def inner(out: Path, a: argparse.Namespace, argv: list[str]) -> None:
     import megatron.training.training as training
     import torch
+    from trial_noise import sleep_ms_per_cycle
 
     from megatron_tp_overlap.engine.space import TuningConfig
     from megatron_tp_overlap.engine.verify import InRunVerification, span
@@ -158,15 +166,7 @@ def inner(out: Path, a: argparse.Namespace, argv: list[str]) -> None:
 
     def make(kind: str) -> InRunVerification:
         if state["iter_ms"] is None:  # calibrate once, on the warm iterations' times
-            cycles, ev = 10_000_000, [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-            ms = []
-            for _ in range(5):
-                ev[0].record()
-                torch.cuda._sleep(cycles)
-                ev[1].record()
-                ev[1].synchronize()
-                ms.append(ev[0].elapsed_time(ev[1]))
-            state["per_cycle_ms"] = statistics.median(ms) / cycles
+            state["per_cycle_ms"] = sleep_ms_per_cycle()
             state["iter_ms"] = statistics.median(warm_ms[-10:])
             state["delay_cycles"] = int(a.gain_pct / 100 * state["iter_ms"] / state["per_cycle_ms"])
         state["delayed"] = reference if kind == "A/B" else None

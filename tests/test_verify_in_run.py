@@ -251,6 +251,7 @@ def test_the_verify_noise_analysis_replays_the_short_design_and_finds_the_positi
             p = p + 1 if measured else 0
             run.append(pattern[(p - 1) % 4 + 1] if measured else 500.0)
     assert vn.by_position(run, 20, 2, 96) == {
+        0: 500.0,
         1: 230.0,
         2: 230.0,
         3: 240.0,

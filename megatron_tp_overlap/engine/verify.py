@@ -21,6 +21,7 @@ from typing import Any
 
 from megatron_tp_overlap.engine import heap, paired
 from megatron_tp_overlap.engine.space import TuningConfig
+from megatron_tp_overlap.engine.trial import SearchOptions
 
 WARM_ITERS = 1  # not measured: the first real iteration allocates the optimizer state
 # Not measured either: the first iteration after each switch. It pays the switch's one-off costs and gets its
@@ -64,7 +65,8 @@ class Verdict:
 # +-0.30-0.34%: hence up to 24, stopping as soon as the interval decides.
 BLOCK = 4  # iterations per block, when the run has room for 6 quadruples of them
 INTERIM_LEVEL = 0.99  # looks before the last stop only at this level: many looks at 95% would decide by luck
-FLOOR = 0.002  # a look stops (going back) once the interval excludes a gain of this share of an iteration
+FLOOR = SearchOptions.rel_floor  # a look stops (going back) once the interval excludes a gain of this share of an
+# iteration: the gain the search, too, counts as too small to matter
 
 
 def design(iters: int) -> tuple[int, int]:
