@@ -101,6 +101,7 @@ def run_case(
     import torch.distributed as dist
     from transformer_engine.pytorch.module import base as te_base
 
+    from megatron_tp_overlap.engine.exhaustive import BENCHMARK_EXHAUSTIVE
     from megatron_tp_overlap.engine.measure import compare_configs
     from megatron_tp_overlap.engine.search import SearchOptions
     from megatron_tp_overlap.engine.space import TuningConfig, all_off
@@ -164,8 +165,7 @@ def run_case(
             stack.step,
             stack.init,
             verify_fn=stack.fingerprint,
-            # the reference search keeps 3 steps per round (a median that ignores one slow step) whatever the tuner uses
-            options=SearchOptions(strategy="slot_exhaustive", max_steps=100_000, max_seconds=1800, screen_steps=3),
+            options=BENCHMARK_EXHAUSTIVE,
         )
         ex = tuner.tune()
         out["slot_exhaustive"] = {

@@ -81,20 +81,26 @@ def test_bad_reference_config_fails_before_any_step(fake_te):
     assert fake_te.calls == []
 
 
-def _rank_main(rank: int, world: int, init_file: str, out_dir: str) -> None:
+def _rank_main(rank: int, world: int, init_file: str, out_dir: str, layout: str = "tp") -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     te = fakes.FakeTE()
     fakes.STATE = te
     ub_runtime._te_base = lambda: te
     torch.manual_seed(0)
-    if world == 4:  # TP=2 x DP=2 as Megatron lays it out; trials agree over WORLD (every rank runs every trial)
+    if (
+        world == 4
+    ):  # TP=2 x DP=2 (or x PP=2) as Megatron lays it out; trials agree over WORLD (every rank runs every trial)
         tp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
         dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
         assert dist.get_world_size(tp_groups[rank // 2]) == 2 and dist.get_world_size(dp_groups[rank % 2]) == 2
-    if rank == world - 1:  # this rank alone (the last; in the second DP replica at 4) would prefer another num_sm
-        for g in ("qkv_dgrad", "qkv_wgrad", "fc1_dgrad", "fc1_wgrad"):
-            fakes.PENALTY_MS[(g, "bulk", 8)] = 0.6
-    tuner, _ = make_tuner(scale=2.0, options=SearchOptions(max_seconds=60, max_steps=3000))
+    # TP=2 x PP=2 with unequal stages: the first stage holds 3 layers, the second 1 (same module kinds); the slower
+    # stage sets the step, so the second stage's penalty must outweigh the first stage's 3 layers to count
+    unequal = layout == "tp_pp_unequal"
+    layers = (3 if rank < 2 else 1) if unequal else 1
+    if rank == world - 1:  # this rank alone (the last; in the second DP replica or pipeline stage at 4) would
+        for g in ("qkv_dgrad", "qkv_wgrad", "fc1_dgrad", "fc1_wgrad"):  # prefer another num_sm
+            fakes.PENALTY_MS[(g, "bulk", 8)] = 2.0 if unequal else 0.6
+    tuner, _ = make_tuner(layers=layers, scale=2.0, options=SearchOptions(max_seconds=60, max_steps=3000))
     res = tuner.tune()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(
@@ -108,11 +114,16 @@ def _rank_main(rank: int, world: int, init_file: str, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_ranks_agree_over_gloo(tmp_path, world):
-    """TP=2, and TP=2 x DP=2: one rank's slower option is seen by every rank; every rank takes the same decisions."""
+@pytest.mark.parametrize("world,layout", [(2, "tp"), (4, "tp"), (4, "tp_pp_unequal")])
+def test_ranks_agree_over_gloo(tmp_path, world, layout):
+    """TP=2, TP=2 x DP=2, TP=2 x PP=2 with unequal stages: one rank's slower option is seen by every rank; every rank
+    takes the same decisions."""
     mp.start_processes(
-        _rank_main, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world, join=True, start_method="spawn"
+        _rank_main,
+        args=(world, str(tmp_path / "init"), str(tmp_path), layout),
+        nprocs=world,
+        join=True,
+        start_method="spawn",
     )
     r0, *others = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world))
     assert all(r == r0 for r in others)

@@ -9,8 +9,12 @@ import itertools
 import math
 import statistics
 
-from megatron_tp_overlap.engine.search import Searcher, SearchResult
+from megatron_tp_overlap.engine.search import Searcher, SearchOptions, SearchResult
 from megatron_tp_overlap.engine.space import Option, TuningConfig, apply, is_valid
+
+# The slot-exhaustive search that the tuner is held against (layer benchmark, decision simulator): 3 measured steps
+# per round and no budget, so that it is a strong reference rather than a fast one.
+BENCHMARK_EXHAUSTIVE = SearchOptions(strategy="slot_exhaustive", max_steps=100_000, max_seconds=1800, screen_steps=3)
 
 
 def combinations(

@@ -279,8 +279,7 @@ class Searcher:
         # 3. per GEMM: the best survivor, kept if it beats the incumbent (at the same moment) beyond the noise.
         sigma = pooled_sigma([v for t in self.trials for v in t.slot_samples.values()])
         choices: dict[str, dict] = {}
-        accepted_opts: dict[str, Option] = {}
-        combined = incumbent
+        best_of: dict[str, tuple[Option, float]] = {}
         for gemm in self.space:
             cands = [opt for opt in fresh if opt.gemm == gemm]
             if not cands:
@@ -292,37 +291,56 @@ class Searcher:
                 o.z * sigma * len(self._slots_of(best)) ** 0.5 * (1 / len(fresh[best]) + 1 / n_inc) ** 0.5,
                 o.rel_floor * self._incumbent_level(incumbent, best),
             )
-            accepted = gain > thr
             choices[gemm] = {
                 "option": best.label,
                 "gain_ms": round(gain, 4),
                 "noise_ms": round(thr, 4),
-                "accepted": accepted,
+                "accepted": gain > thr,
                 "slot": ",".join(sorted(self._slots_of(best))),
                 "samples": len(fresh[best]),
             }
-            if accepted:
-                trial = apply(combined, best, self.topo)
-                if is_valid(trial, self.ctx):
-                    combined = trial
-                    accepted_opts[gemm] = best
-                else:
-                    choices[gemm]["accepted"] = False
-                    choices[gemm]["note"] = "conflicts with an earlier choice"
-        # 4. numerics: a config must compute what the no-overlap reference computes.
-        if combined != incumbent and self._verify(combined):
-            for gemm, opt in list(accepted_opts.items()):
-                bad = self._verify(apply(incumbent, opt, self.topo))
-                if bad:
-                    choices[gemm].update(accepted=False, note=f"rejected by the numerics check: {bad}")
-                    del accepted_opts[gemm]
-            combined = incumbent
-            for opt in accepted_opts.values():
-                combined = apply(combined, opt, self.topo)
-            if combined != incumbent and self._verify(combined):
-                combined = incumbent
+            best_of[gemm] = best, gain
+        # 4. the accepted choices in one config, largest gain first: where two cannot go together (a
+        #    ring-exchange dgrad rules out a bulk wgrad of the same module) the smaller gives way, not whichever
+        #    GEMM comes first. Numerics: the config must compute what the no-overlap reference computes; a choice
+        #    that fails on its own leaves, and one it had kept out comes back.
+        order = sorted((g for g in best_of if choices[g]["accepted"]), key=lambda g: -best_of[g][1])
+        bad: dict[str, str] = {}
+        while True:
+            combined, taken, blocked = self._combine(incumbent, [(g, best_of[g][0]) for g in order if g not in bad])
+            if combined == incumbent or not self._verify(combined):
+                break
+            new_bad = {g: why for g, opt in taken.items() if (why := self._verify(apply(incumbent, opt, self.topo)))}
+            bad.update(new_bad)
+            if not new_bad:  # each choice passes alone, not together
+                combined, taken, blocked = incumbent, {}, {}
+                break
+        for g in order:
+            if g in bad:
+                choices[g].update(accepted=False, note=f"rejected by the numerics check: {bad[g]}")
+            elif g in blocked:
+                choices[g].update(
+                    accepted=False, note=f"cannot go with the choices of larger gain ({', '.join(blocked[g])})"
+                )
+            elif g not in taken:
+                choices[g].update(accepted=False, note="every choice passes the numerics check alone, not together")
         combined = TuningConfig(combined.ub, combined.disabled, "autotuned")
         return self._confirm(combined, contenders, choices)
+
+    def _combine(
+        self, incumbent: TuningConfig, ordered: list[tuple[str, Option]]
+    ) -> tuple[TuningConfig, dict[str, Option], dict[str, list[str]]]:
+        """``ordered`` options applied one by one where the result is valid and keeps every option taken before
+        (a reduce-scatter dgrad drops its module's wgrad entry; "no overlap" switches coupled GEMMs off): (config,
+        gemm -> option taken, gemm -> the taken GEMMs it could not go with)."""
+        config, taken, blocked = incumbent, {}, {}
+        for gemm, opt in ordered:
+            trial = apply(config, opt, self.topo)
+            if is_valid(trial, self.ctx) and all(apply(trial, t, self.topo) == trial for t in taken.values()):
+                config, taken[gemm] = trial, opt
+            else:
+                blocked[gemm] = list(taken)
+        return config, taken, blocked
 
     # -- final decision: a selection round, then the reference against the selected config in ABBA blocks ----
     def _confirm(self, tuned: TuningConfig, baselines: dict[str, TuningConfig], choices: dict) -> SearchResult:
