@@ -277,7 +277,7 @@ class Searcher:
         fresh = {opt: v for opt, e in raw_fresh.items() if (v := self._relative(incumbent, opt, e))}
 
         # 3. per GEMM: the best survivor, kept if it beats the incumbent (at the same moment) beyond the noise.
-        sigma = pooled_sigma([v for t in self.trials for v in t.slot_samples.values()])
+        sigma = pooled_sigma([v for t in self.trials for v in t.slot_samples.values()], positional=True)
         choices: dict[str, dict] = {}
         best_of: dict[str, tuple[Option, float]] = {}
         for gemm in self.space:

@@ -15,10 +15,29 @@ def robust_sigma(values: Sequence[float]) -> float:
     return 1.4826 * statistics.median(abs(v - med) for v in values)
 
 
-def pooled_sigma(groups: Sequence[Sequence[float]]) -> float:
+def pooled_sigma(groups: Sequence[Sequence[float]], positional: bool = False) -> float:
     """Step-to-step spread pooled over groups of repeats of the same thing, from the differences of consecutive
     samples within each group: ``(x[i+1] - x[i]) / sqrt(2)`` has the samples' spread whatever the group size (residuals
     to each group's median understated it: 0.59 of it for groups of 3, 0.83-0.90 for 4-8), and a drift between groups
-    does not enter. Their median absolute value (around zero: the differences of repeats centre there) x 1.4826."""
-    diffs = [abs(b - a) / math.sqrt(2) for g in groups for a, b in zip(g, g[1:])]
+    does not enter. Their median absolute value (around zero: the differences of repeats centre there) x 1.4826.
+
+    ``positional``: the groups are trials that each start right after a switch, and comparisons are made at equal
+    positions, so a pattern that every trial shares by position (the clocks after an idle gap, a step that is always
+    slow) is not noise: the median relative difference at each position among the groups of one length (>= 3 of
+    them) is taken out first."""
+    if not positional:
+        diffs = [abs(b - a) / math.sqrt(2) for g in groups for a, b in zip(g, g[1:])]
+        return 1.4826 * statistics.median(diffs) if diffs else 0.0
+    rel: dict[tuple[int, int], list[float]] = {}  # (group length, position) -> relative differences
+    for g in groups:
+        level = statistics.median(g) if g else 0.0
+        if level > 0:
+            for i, (a, b) in enumerate(zip(g, g[1:])):
+                rel.setdefault((len(g), i), []).append((b - a) / level)
+    shared = {k: statistics.median(v) if len(v) >= 3 else 0.0 for k, v in rel.items()}
+    diffs = []
+    for g in groups:
+        level = statistics.median(g) if g else 0.0
+        if level > 0:
+            diffs += [abs(b - a - shared[(len(g), i)] * level) / math.sqrt(2) for i, (a, b) in enumerate(zip(g, g[1:]))]
     return 1.4826 * statistics.median(diffs) if diffs else 0.0
