@@ -246,6 +246,21 @@ def test_a_pattern_every_trial_shares_by_position_is_not_counted_as_noise():
     assert statistics.mean(e[0] for e in est) > 0.3  # what the plain estimate takes for noise
 
 
+def test_the_threshold_counts_the_incumbent_samples_that_actually_bracket_a_halving_trial():
+    """A halving trial sits between screening's last bracket (1 step) and its own bracket (4 steps): 5 incumbent
+    samples, not 2 x halving_steps."""
+    from megatron_tp_overlap.engine.search import Trial
+
+    topo, space, ref, base = setup()
+    s = Searcher(topo, space, Synthetic(topo), CTX)
+    other = TuningConfig(UbConfig(), frozenset({"qkv_fprop"}))
+    for i, (phase, config, n, pos) in enumerate(
+        [("baseline", ref, 2, 1), ("bracket", ref, 1, 10), ("halving", other, 4, 12), ("bracket", ref, 4, 17)]
+    ):
+        s.trials.append(Trial(i, phase, config, {}, step_samples=[1.0] * n, position=pos))
+    assert s._bracket_samples(ref, [s.trials[2]]) == 5
+
+
 def test_options_are_validated():
     with pytest.raises(ValueError, match="strategy"):
         SearchOptions(strategy="random")

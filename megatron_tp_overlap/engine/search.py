@@ -225,6 +225,17 @@ class Searcher:
         )
         return [v - track(t.position) for t, score in entries for v in score if not math.isnan(track(t.position))]
 
+    def _bracket_samples(self, incumbent: TuningConfig, trials: list[Trial]) -> int:
+        """Samples of the incumbent trials just before and after ``trials`` (what :meth:`_relative` interpolates
+        between; a screening bracket has fewer steps than a halving one), the fewest over ``trials``."""
+        inc = sorted((t.position, len(t.step_samples)) for t in self._incumbent_trials(incumbent))
+        counts = []
+        for t in trials:
+            before = [n for p, n in inc if p < t.position]
+            after = [n for p, n in inc if p > t.position]
+            counts.append((before[-1] if before else 0) + (after[0] if after else 0))
+        return max(1, min(counts, default=1))
+
     def _incumbent_level(self, incumbent: TuningConfig, opt: Option) -> float:
         vals = [
             v
@@ -286,7 +297,7 @@ class Searcher:
                 continue
             best = min(cands, key=lambda x: statistics.median(fresh[x]))
             gain = -statistics.median(fresh[best])
-            n_inc = 2 * o.halving_steps  # the two incumbent trials around it
+            n_inc = self._bracket_samples(incumbent, [t for t, _ in raw_fresh[best]])
             thr = max(
                 o.z * sigma * len(self._slots_of(best)) ** 0.5 * (1 / len(fresh[best]) + 1 / n_inc) ** 0.5,
                 o.rel_floor * self._incumbent_level(incumbent, best),
