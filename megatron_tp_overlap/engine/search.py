@@ -515,7 +515,11 @@ class Searcher:
         interval excludes zero (either way) or cannot hold a gain of ``rel_floor`` of the step any more, or at
         the budget. Per quadruple the reference runs A1 then (after the candidate's two blocks) A2 and the next
         quadruple's A1 without a switch: each config has one block right after a switch and one after its own
-        block, so effects of the position since a switch cancel too."""
+        block, so effects of the position since a switch cancel too. Every block is a trial of its own: a trial
+        ends with a device sync and host work (the GPU idles briefly), and a config's second block must follow
+        that gap as its first follows a switch, for both configs alike (with B's two blocks in one trial, A's
+        continuing block alone followed a gap: on real H200 steps the reference then measured ~0.35% of a step
+        faster than an equal candidate, benchmarks/results/2026-11-23_h200x1/search_on_real_steps/)."""
         o, bs = self.opt, self.block_steps
         order: list[int] = []
         slot_blocks: list[float] = []
@@ -523,20 +527,17 @@ class Searcher:
         quads, error = 0, None
         slot_iv = step_iv = paired.gain_interval([], o.level)
         while quads < o.max_quads and error is None and self._can_afford(self._abba_cost(1) - o.warmup_steps):
-            for which, n_blocks in paired.runs(paired.QUAD):
+            for which in paired.QUAD:
                 c = cand if which == paired.B else ref
                 continuing = bool(order) and order[-1] == which
-                t = self._run("confirm", c.config, {"*": c.name}, bs * n_blocks, warmup=0 if continuing else None)
+                t = self._run("confirm", c.config, {"*": c.name}, bs, warmup=0 if continuing else None)
                 if t.error:
                     error = t.error
                     break
                 c.samples.extend(t.step_samples)
-                slots, steps = self._step_slot_sums(t) or t.step_samples, t.step_samples
-                for b in range(n_blocks):
-                    part = slice(b * bs, (b + 1) * bs)
-                    slot_blocks.append(statistics.median(slots[part]))
-                    step_blocks.append(statistics.median(steps[part]))
-                    order.append(which)
+                slot_blocks.append(statistics.median(self._step_slot_sums(t) or t.step_samples))
+                step_blocks.append(statistics.median(t.step_samples))
+                order.append(which)
             else:
                 quads += 1
             if quads >= o.min_quads and error is None:

@@ -61,6 +61,12 @@ class World:
     def step_ms(self, config: TuningConfig) -> float:
         return STEP_MS - 12 * GEMM_MS + sum(self.gemm_ms(g, config) for g in TOPO.active)
 
+    def excess_ms(self, gemm: str, config: TuningConfig) -> float:
+        """The GEMM's cost under ``config`` above its cheapest option (ms): what a real step must be made slower
+        by, per GEMM, for configs to differ as in this world (benchmarks/search_on_real_steps.py)."""
+        floor = min([GEMM_MS] + [ms for (g, _), ms in self.fast.items() if g == gemm])
+        return self.gemm_ms(gemm, config) - floor
+
 
 def make_world(space: dict[str, list[Option]], gain: float, rng: random.Random) -> World:
     """``gain`` (fraction of the step) spread over 1-3 options of distinct GEMMs; 0: every config costs the same."""

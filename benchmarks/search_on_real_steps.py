@@ -1,0 +1,378 @@
+"""The search's decisions on real GPU steps: the tuner's search, unchanged, on Megatron-LM's own trial steps (TP=1,
+one GPU), where the true cost of every config is known because it was put there.
+
+    python benchmarks/search_on_real_steps.py --script .device/megatron-lm/pretrain_gpt.py --out DIR
+
+``tools/decision_sim.py`` scores the search on simulated steps; its noise models were fitted to H200 measurements,
+but a model is a model. Here every step is a real one: Megatron's ``forward_backward_func`` on a real GPT
+(``MegatronSteps.step``, as tuning runs it), per-slot GPU times from the tuner's own ``SlotTimer``, a simulated
+switch between configs (one ``gc.collect()``, a device sync and ``--idle-s`` with the GPU idle, as a userbuffers
+re-init leaves it; the heap frozen as during tuning), and the search's default options and time budget. What is
+not real is the cost of a config: each seed draws a world as the simulator does (``decision_sim.make_world``: 1-3
+GEMMs with a truly faster option, together ``gain`` of the step; or none, ``equal``), and every qkv/proj/fc1/fc2
+module's forward (its fprop) and backward (its dgrad + wgrad) is made slower by a ``torch.cuda._sleep`` of that
+GEMM's excess over its cheapest option (``World.excess_ms``, scaled from the simulator's 100 ms step to this one),
+inside the slot's events. So the noise, drift, clocks after idle gaps and host effects are those of a real run,
+and the answer is known: realized share of the available gain, the chosen config's true excess over the
+reference, false winners where every config costs the same. Userbuffers' own noise (TP communication) is not in
+it: that needs a multi-GPU run.
+
+Runs alternate between seeds with a gain and ``equal`` seeds until ``--runs`` or ``--minutes`` is reached; each run's
+result is written as it ends (``search_on_real_steps.json``), and the table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import math
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+MEGATRON_NAMES = {"linear_qkv": "qkv", "linear_proj": "proj", "linear_fc1": "fc1", "linear_fc2": "fc2"}
+
+
+def overlap_modules(model) -> list:
+    """The TE linears of a TP=1 Megatron GPT as the tuner sees them at TP>1 (no userbuffers at TP=1, so named by
+    their Megatron path; every GEMM counted as overlapped: 12 slots' worth of GEMMs, as in the simulator)."""
+    from megatron_tp_overlap.engine.topology import OverlapModule
+
+    flags = {
+        "column": {
+            "ub_overlap_ag_fprop": True,
+            "ub_overlap_rs_dgrad": False,
+            "ub_bulk_dgrad": True,
+            "ub_bulk_wgrad": True,
+        },
+        "row": {"ub_overlap_rs_fprop": True, "ub_overlap_ag_dgrad": True},
+    }
+    found = []
+    for i, chunk in enumerate(model):
+        for path, m in chunk.named_modules():
+            name = MEGATRON_NAMES.get(path.rsplit(".", 1)[-1])
+            if name is not None:
+                kind = "row" if name in ("proj", "fc2") else "column"
+                found.append(OverlapModule(m, kind, name, f"{i}.{path}", flags[kind]))
+    return found
+
+
+class Delays:
+    """A ``torch.cuda._sleep`` after each module's forward and after its backward, inside the ``SlotTimer``'s events
+    (these hooks are registered first, the timer's per trial, and hooks run in registration order)."""
+
+    def __init__(self, modules: list, calls_per_step: int, ms_per_cycle: float):
+        from megatron_tp_overlap.engine.measure import module_node
+
+        self.cycles: dict[str, int] = {}  # slot ("qkv.fwd") -> cycles per call
+        self.calls, self.per_cycle = calls_per_step, ms_per_cycle
+        import torch
+
+        def sleep(slot: str) -> None:
+            if self.cycles.get(slot, 0) > 0:
+                torch.cuda._sleep(self.cycles[slot])
+
+        def fwd(prefix: str):
+            def hook(module, args, out):
+                sleep(f"{prefix}.fwd")
+                t = out[0] if isinstance(out, (tuple, list)) else out
+                node = module_node(t) if isinstance(t, torch.Tensor) and t.requires_grad else None
+                if node is not None:
+                    node.register_hook(lambda gi, go: sleep(f"{prefix}.bwd"))
+
+            return hook
+
+        for m in modules:
+            m.module.register_forward_hook(fwd(m.name))
+
+    def set(self, slot_ms: dict[str, float]) -> None:
+        """Per slot, the extra GPU ms of one step (spread over the slot's calls: layers x micro-batches)."""
+        self.cycles = {s: int(ms / self.calls / self.per_cycle) for s, ms in slot_ms.items()}
+
+
+class RealSteps:
+    """``evaluate`` for the searcher on real steps; a config's cost is the world's, put in by ``Delays``."""
+
+    def __init__(self, steps, modules, topo, delays: Delays, idle_s: float, scale: float):
+        self.steps, self.modules, self.topo, self.delays = steps, modules, topo, delays
+        self.idle_s, self.scale = idle_s, scale
+        self.world, self.live, self.t0, self.switches = None, None, 0.0, 0
+
+    def start(self, world) -> None:
+        self.world, self.live, self.t0, self.switches = world, None, time.perf_counter(), 0
+
+    def slot_excess_ms(self, config) -> dict[str, float]:
+        return {
+            s: self.scale * sum(self.world.excess_ms(g, config) for g in gemms)
+            for s, gemms in self.topo.slots().items()
+        }
+
+    def __call__(self, config, n: int, warmup: int):
+        import torch
+
+        from megatron_tp_overlap.engine.measure import SlotTimer
+        from megatron_tp_overlap.engine.search import Measurement
+
+        t = time.perf_counter()
+        if config != self.live:  # the switch: what the switcher does besides the re-init, and the re-init's idle GPU
+            gc.collect()
+            torch.cuda.synchronize()
+            time.sleep(self.idle_s)
+            self.delays.set(self.slot_excess_ms(config))
+            self.live, self.switches = config, self.switches + 1
+        for _ in range(warmup):
+            self.steps.step()
+        timer = SlotTimer(self.modules)
+        with timer:
+            for _ in range(n):
+                timer.begin_step()
+                self.steps.step()
+                timer.end_step()
+            torch.cuda.synchronize()
+            slot_ms, step_ms = timer.collect(list(self.topo.slots()))
+        now = time.perf_counter()
+        return Measurement(slot_ms, step_ms, now - self.t0, n + warmup, now - t)
+
+
+def probe_delays(real: RealSteps) -> dict:
+    """Whole-step GPU ms of the reference and of "no overlap" in a world with a 3% gain, against the difference
+    the world says they have: the put-in delays are really there (medians of 7 steps each)."""
+    from trial_noise import gpu_ms
+
+    from megatron_tp_overlap.engine.space import TuningConfig, all_off, build_space
+    from megatron_tp_overlap.tools import decision_sim as sim
+    from megatron_tp_overlap.ub.config import UbConfig
+
+    world = sim.make_world(build_space(sim.TOPO, sim.CTX, [UbConfig()]), 0.03, random.Random(0))
+    ref = TuningConfig(UbConfig(), frozenset(), "reference")
+    real.start(world)
+    out = {}
+    for name, cfg in (("reference", ref), ("no overlap", all_off(real.topo, ref))):
+        real.delays.set(real.slot_excess_ms(cfg))
+        out[f"{name}_ms"] = statistics.median(gpu_ms(real.steps.step) for _ in range(7))
+    out["true_difference_ms"] = real.scale * (world.step_ms(all_off(real.topo, ref)) - world.step_ms(ref))
+    real.delays.set({})
+    return out
+
+
+def one_search(real: RealSteps, seed: int, gain: float) -> dict:
+    from megatron_tp_overlap.engine.search import Searcher, SearchOptions
+    from megatron_tp_overlap.engine.space import TuningConfig, all_off, build_space
+    from megatron_tp_overlap.tools import decision_sim as sim
+    from megatron_tp_overlap.ub.config import UbConfig
+
+    rng = random.Random(seed)
+    space = build_space(sim.TOPO, sim.CTX, [UbConfig()])
+    world = sim.make_world(space, gain, rng)
+    ref = TuningConfig(UbConfig(), frozenset(), "reference")
+    real.start(world)
+    gc.collect()
+    gc.freeze()  # as tuning does (engine/heap.py)
+    try:
+        res = Searcher(real.topo, space, real, sim.CTX, SearchOptions()).run(
+            ref, {"no overlap": all_off(real.topo, ref)}
+        )
+    finally:
+        gc.unfreeze()
+    ref_ms, chosen_ms = world.step_ms(ref), world.step_ms(res.best)
+    best_ms = world.step_ms(sim.best_config(world, space, ref))
+    d = res.decision
+    decided = next((c.config for c in res.contenders if c.name == d.get("candidate")), ref)
+    return {
+        "seed": seed,
+        "kind": "gain" if gain > 0 else "equal",
+        "available_gain_pct": round(100 * (ref_ms - best_ms) / sim.STEP_MS, 3),
+        "realized": (ref_ms - chosen_ms) / (ref_ms - best_ms) if ref_ms > best_ms else None,
+        "excess_pct": round(100 * (chosen_ms - ref_ms) / sim.STEP_MS, 3),  # true, of the simulated step
+        "false_winner": gain <= 0 and res.best_name != "reference",
+        "chosen": res.best_name,
+        "reason": res.reason,
+        "steps": res.steps_run,
+        "seconds": round(res.elapsed_s, 1),
+        "switches": real.switches,
+        "budget_hit": res.budget_hit,
+        "decision_quadruples": d.get("quadruples"),
+        "decision_half_width_pct": d.get("noise_pct_of_step"),
+        "decision_gain_ms": d.get("slot_interval", {}).get("gain_ms"),  # measured in the overlapped layers
+        "decision_step_gain_ms": d.get("step_interval", {}).get("gain_ms"),  # measured on the whole step
+        "true_gain_of_decided_ms": round(real.scale * (ref_ms - world.step_ms(decided)), 3) if d else None,
+        "reference_step_ms": d.get("reference_step_ms"),
+        "confirm_blocks": confirm_blocks(res.trials),
+    }
+
+
+def confirm_blocks(trials: list) -> list[list]:
+    """The final decision's blocks: [contender, after a switch (1) or continuing its config (0), GPU ms of the
+    overlapped layers per step (median over the block)]."""
+    out, prev = [], None
+    for t in trials:
+        if t.phase != "confirm" or t.error or not t.slot_samples:
+            continue
+        per_step = [sum(v) for v in zip(*t.slot_samples.values())]
+        out.append([t.tested["*"], int(prev is None or prev != t.tested["*"]), round(statistics.median(per_step), 4)])
+        prev = t.tested["*"]
+    return out
+
+
+def gap_effect_ms(blocks: list[list]) -> float | None:
+    """Mean over configs of (continuing block - block after a switch), ms: what a config's block that follows
+    only a trial's sync gap measures against one that follows a switch."""
+    diffs = []
+    for name in {b[0] for b in blocks}:
+        cont = [b[2] for b in blocks if b[0] == name and not b[1]]
+        after = [b[2] for b in blocks if b[0] == name and b[1]]
+        if cont and after:
+            diffs.append(statistics.mean(cont) - statistics.mean(after))
+    return statistics.mean(diffs) if diffs else None
+
+
+def inner(
+    out: Path, runs: int, minutes: float, idle_s: float, first_seed: int, gains: tuple[float, float], argv: list[str]
+) -> None:
+    import megatron.training.training as training
+    import torch
+    from megatron.training import get_args
+    from trial_noise import gpu_ms, sleep_ms_per_cycle
+
+    from megatron_tp_overlap.engine.topology import build_topology
+    from megatron_tp_overlap.integrations.megatron.launcher import run_script
+    from megatron_tp_overlap.integrations.megatron.run_shape import RunShape
+    from megatron_tp_overlap.integrations.megatron.tuning import MegatronSteps
+    from megatron_tp_overlap.tools import decision_sim as sim
+
+    t_start = time.perf_counter()
+
+    def train(forward_step_func, model, optimizer, scheduler, data_iterator, *rest, **kw):
+        steps = MegatronSteps(model, forward_step_func, optimizer, data_iterator, RunShape.from_args(get_args()))
+        modules = overlap_modules(model)
+        topo = build_topology(modules)
+        assert topo.slots() == sim.TOPO.slots(), (topo, sim.TOPO)
+        topo = dataclasses.replace(sim.TOPO, layers=topo.layers)
+        delays = Delays(modules, topo.layers * steps.n_mb, sleep_ms_per_cycle())
+        for _ in range(10):
+            steps.step()
+        step_ms = statistics.median(gpu_ms(steps.step) for _ in range(10))
+        real = RealSteps(steps, modules, topo, delays, idle_s, step_ms / sim.STEP_MS)
+        result = {"step_ms": step_ms, "ms_per_cycle": delays.per_cycle, "idle_s": idle_s, "runs": []}
+        result["probe"] = probe_delays(real)  # the put-in delay, measured on whole steps
+        delays.set({})
+        for i in range(runs):
+            if time.perf_counter() - t_start > 60 * minutes:
+                break
+            gain = random.Random(first_seed + i).uniform(*gains) / 100 if i % 2 == 0 else 0.0
+            rec = one_search(real, first_seed + i, gain)
+            rec["wall_s"] = round(time.perf_counter() - t_start, 1)
+            result["runs"].append(rec)
+            print(f"[search_on_real_steps] {json.dumps(rec)}", flush=True)
+            if int(os.environ.get("RANK", "0")) == 0:
+                out.mkdir(parents=True, exist_ok=True)
+                tmp = out / "search_on_real_steps.json.tmp"
+                tmp.write_text(json.dumps(result, indent=1) + "\n")
+                os.replace(tmp, out / "search_on_real_steps.json")
+            delays.set({})
+        torch.cuda.synchronize()
+        return 0, 0  # no training; pretrain() carries on to its end
+
+    training.train = train
+    run_script(argv)
+
+
+def summarize(runs: list[dict]) -> dict:
+    gains = [r for r in runs if r["kind"] == "gain"]
+    equal = [r for r in runs if r["kind"] == "equal"]
+    real = [r["realized"] for r in gains if r["realized"] is not None]
+    return {
+        "runs_with_gain": len(gains),
+        "realized_mean": statistics.mean(real) if real else math.nan,
+        "realized_min": min(real) if real else math.nan,
+        "worst_excess_pct": max((r["excess_pct"] for r in runs), default=math.nan),
+        "equal_runs": len(equal),
+        "false_winners": sum(r["false_winner"] for r in equal),
+        "steps_median": statistics.median(r["steps"] for r in runs) if runs else math.nan,
+        "seconds_median": statistics.median(r["seconds"] for r in runs) if runs else math.nan,
+        "switches_median": statistics.median(r["switches"] for r in runs) if runs else math.nan,
+        "gap_effect_ms": [round(g, 3) for r in runs if (g := gap_effect_ms(r.get("confirm_blocks", []))) is not None],
+        "equal_measured_gain_ms": [r["decision_gain_ms"] for r in equal if r.get("decision_gain_ms") is not None],
+    }
+
+
+def table(result: dict) -> str:
+    rows = [
+        "| seed | kind | gain put in, % | realized | true excess % | chosen | steps | s | switches | "
+        "decision: gain measured ms (put in) | +- % of step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["runs"]:
+        real = "-" if r["realized"] is None else f"{100 * r['realized']:.1f}%"
+        rows.append(
+            f"| {r['seed']} | {r['kind']} | {r['available_gain_pct']:.2f} | {real} | {r['excess_pct']:+.2f} | "
+            f"{r['chosen']} | {r['steps']} | {r['seconds']} | {r['switches']} | "
+            f"{r['decision_gain_ms']} ({r['true_gain_of_decided_ms']}) | {r['decision_half_width_pct']} |"
+        )
+    s, pr = summarize(result["runs"]), result["probe"]
+    rows += [
+        "",
+        f"step {result['step_ms']:.1f} ms; put-in delays measured: 'no overlap' {pr['no overlap_ms']:.2f} ms vs "
+        f"reference {pr['reference_ms']:.2f} ms, put in {pr['true_difference_ms']:.2f} ms apart",
+        f"seeds with a gain: {s['runs_with_gain']}, realized mean {100 * s['realized_mean']:.1f}%, "
+        f"min {100 * s['realized_min']:.1f}%; worst true excess over the reference {s['worst_excess_pct']:+.2f}%; "
+        f"equal seeds: {s['equal_runs']}, false winners {s['false_winners']}; "
+        f"median {s['steps_median']:.0f} steps, {s['seconds_median']:.1f} s, {s['switches_median']:.0f} switches",
+        f"final decision on equal seeds, measured gain (ms): {s['equal_measured_gain_ms']}; a continuing block "
+        f"minus a block after a switch, per run (ms): {s['gap_effect_ms']}",
+    ]
+    return "\n".join(rows)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    p.add_argument("--script", help="Megatron-LM's pretrain_gpt.py (core_v0.19.0)")
+    p.add_argument("--runs", type=int, default=40, help="searches at most (seeds alternate: gain, equal)")
+    p.add_argument("--minutes", type=float, default=7.0, help="no search starts after this many minutes")
+    p.add_argument("--idle-s", type=float, default=0.2, help="host seconds per simulated switch (a re-init: ~0.2)")
+    p.add_argument("--first-seed", type=int, default=1000)
+    p.add_argument(
+        "--gain-pct",
+        type=float,
+        nargs=2,
+        default=(0.5, 5.0),
+        metavar=("LOW", "HIGH"),
+        help="the available gain of a seed with one, uniform in this range, %% of the simulator's step "
+        "(decision_sim: 0.5 5)",
+    )
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument(
+        "--shape", default="", help="model keys of benchmarks/megatron_autotune.MODEL, e.g. hidden=5120,ffn=14336"
+    )
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
+    a, rest = p.parse_known_args()
+    out = Path(a.out)
+    if a.inner:
+        inner(out, a.runs, a.minutes, a.idle_s, a.first_seed, tuple(a.gain_pct), rest)
+        return
+    from megatron_autotune import one_gpu_args
+
+    shape = {k: int(v) for k, v in (kv.split("=", 1) for kv in a.shape.split(",") if kv)}
+    args = one_gpu_args(a.seq, 10, **shape)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", __file__, "--inner", "--out", str(out)]
+    cmd += ["--runs", str(a.runs), "--minutes", str(a.minutes), "--idle-s", str(a.idle_s)]
+    cmd += ["--first-seed", str(a.first_seed), "--gain-pct", *map(str, a.gain_pct), a.script, *args]
+    print(" ".join(cmd), flush=True)
+    rc = subprocess.run(cmd).returncode
+    result = json.loads((out / "search_on_real_steps.json").read_text())
+    (out / "search_on_real_steps.md").write_text(table(result) + "\n")
+    print(table(result))
+    sys.exit(rc)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""benchmarks/search_on_real_steps.py's pure parts: the delays it puts in reproduce the world's cost differences,
+and a search's record is scored against the truth (a simulated run stands in for the real steps)."""
+
+import importlib.util
+import random
+import sys
+from pathlib import Path
+
+from megatron_tp_overlap.engine.space import TuningConfig, all_off, apply, build_space
+from megatron_tp_overlap.tools import decision_sim as sim
+from megatron_tp_overlap.ub.config import UbConfig
+
+PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "search_on_real_steps.py"
+sys.path.insert(0, str(PATH.parent))
+spec = importlib.util.spec_from_file_location("search_on_real_steps", PATH)
+sr = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(sr)
+
+SPACE = build_space(sim.TOPO, sim.CTX, [UbConfig()])
+REF = TuningConfig(UbConfig(), frozenset(), "reference")
+
+
+def test_put_in_delays_differ_as_the_world_costs():
+    """Per slot, the sleep is the excess of its GEMMs over their cheapest option; summed over slots, two configs
+    differ by exactly what the world says, scaled to the real step."""
+    rng = random.Random(3)
+    for seed in range(20):
+        world = sim.make_world(SPACE, 0.03, random.Random(seed))
+        real = sr.RealSteps(None, [], sim.TOPO, None, 0.0, scale=2.5)
+        real.start(world)
+        configs = [REF, all_off(sim.TOPO, REF)]
+        for _ in range(5):
+            c = REF
+            for g in rng.sample(sorted(SPACE), 4):
+                c = apply(c, rng.choice(SPACE[g]), sim.TOPO)
+            configs.append(c)
+        configs.append(sim.best_config(world, SPACE, REF))
+        for c in configs:
+            put_in = sum(real.slot_excess_ms(c).values()) - sum(real.slot_excess_ms(REF).values())
+            assert abs(put_in - 2.5 * (world.step_ms(c) - world.step_ms(REF))) < 1e-9
+        assert min(sum(real.slot_excess_ms(c).values()) for c in configs) >= 0  # a sleep cannot be negative
+        best = sum(real.slot_excess_ms(configs[-1]).values())  # not always 0: two fast options can exclude each other
+        assert all(best <= sum(real.slot_excess_ms(c).values()) + 1e-9 for c in configs)
+
+
+class SimulatedReal:
+    """RealSteps' interface over the simulator's steps."""
+
+    topo, scale = sim.TOPO, 1.0
+
+    def start(self, world) -> None:
+        self.run, self.switches, self.live = sim.SimulatedRun(world, "iid", random.Random(7), 400), 0, None
+
+    def __call__(self, config, n, warmup):
+        if config != self.live:
+            self.live, self.switches = config, self.switches + 1
+        return self.run(config, n, warmup)
+
+
+def test_a_search_is_scored_against_the_truth():
+    gain = sr.one_search(SimulatedReal(), 1001, 0.04)
+    assert gain["kind"] == "gain" and 3.9 < gain["available_gain_pct"] <= 4.0 + 1e-9
+    assert gain["realized"] > 0.8 and gain["excess_pct"] < 0 and not gain["false_winner"]
+    assert gain["chosen"] != "reference" and gain["true_gain_of_decided_ms"] > 0
+    assert gain["switches"] > 10 and gain["steps"] > 50
+    equal = sr.one_search(SimulatedReal(), 5001, 0.0)
+    assert equal["kind"] == "equal" and equal["realized"] is None and equal["available_gain_pct"] == 0
+    assert equal["false_winner"] == (equal["chosen"] != "reference")
+    blocks = gain["confirm_blocks"]
+    assert [b[0] for b in blocks[:4]] == ["reference", "autotuned", "autotuned", "reference"]
+    assert [b[1] for b in blocks[:8]] == [1, 1, 0, 1, 0, 1, 0, 1]  # after a switch / continuing its config
+    assert sr.gap_effect_ms([["a", 1, 10.0], ["a", 0, 9.0], ["b", 1, 12.0], ["b", 0, 11.5], ["b", 1, 12.0]]) == -0.75
+    s = sr.summarize([gain, equal])
+    assert s["runs_with_gain"] == 1 and s["equal_runs"] == 1 and s["realized_min"] == gain["realized"]
+    assert s["worst_excess_pct"] == max(gain["excess_pct"], equal["excess_pct"])
