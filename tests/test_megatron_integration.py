@@ -507,3 +507,64 @@ def test_a_failed_tuning_trains_on_and_only_an_interrupt_ends_the_run(monkeypatc
     assert search() == (None, None)
     assert "training with the starting config" in lines[-1]
     assert [c.ub for c in applied] == ([UbConfig()] if failure == "trial" else [])
+
+
+def test_an_undecided_config_is_verified_in_the_run_and_written_only_when_the_run_shows_the_gain(tmp_path, monkeypatch):
+    """Tuning kept the reference because its best config was ahead but not beyond the interval its budget allowed:
+    that config goes live and is verified on real iterations; the YAML (written with the reference) changes to it
+    only when the verification keeps it, atomically, with the cache; when it does not, nothing is rewritten."""
+    from types import SimpleNamespace
+
+    from test_cache import KEY
+
+    from megatron_tp_overlap.engine import paired
+    from megatron_tp_overlap.engine.options import TuneOptions
+    from megatron_tp_overlap.engine.space import TuningConfig
+    from megatron_tp_overlap.engine.verify import Verdict
+    from megatron_tp_overlap.integrations.megatron import tuning as mt
+    from megatron_tp_overlap.integrations.megatron.flags import Recipe
+    from megatron_tp_overlap.ub.config import GemmOverlapConfig, UbConfig, load_yaml
+
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda *a, **k: 0)
+    ref = TuningConfig(UbConfig(), frozenset(), "reference")
+    cand = TuningConfig(UbConfig().with_entry("fc2_fprop", GemmOverlapConfig(method="pipeline", num_sm=8)), label="x")
+    opts = TuneOptions(verify_iters=96)
+
+    def setup():
+        out = tmp_path / "tuned.yaml"
+        tuned = mt.Tuned(ref, None, out, Recipe(str(out), [], [], {}), model=[])
+        assert mt._write_yaml(out, ref, mt._key_meta(KEY), print)  # as tune() wrote it
+        applied, puts, logs = [], [], []
+        cache = SimpleNamespace(put=lambda *a: puts.append(a))
+        v = mt._verification(
+            tuned, ref.ub, SimpleNamespace(apply=applied.append), opts, KEY, cache, logs.append, None, cand
+        )
+        return tuned, v, applied, puts, logs
+
+    assert (
+        mt._verification(setup()[0], ref.ub, SimpleNamespace(apply=print), opts, KEY, None, print, None, None) is None
+    )
+    iv = paired.Interval(2.0, 1.0, 3.0, 12, 0.99)
+    tuned, v, applied, puts, logs = setup()
+    assert v.tuned == cand and v.reference == ref and applied == [cand]  # the undecided config runs first
+    assert any("ahead of the starting config" in m for m in logs)
+    v.on_verdict(Verdict(cand, iv, 200.0, 198.0, 120, "kept", reverted=False))
+    assert tuned.config == cand and load_yaml(tuned.yaml_path) == cand.ub and puts[0][1] == cand.ub
+    assert "the in-run verification measured the gain" in puts[0][3]["tuned"]["chosen"]
+    assert tuned.yaml_path.with_suffix(".recipe.txt").exists()
+
+    tuned, v, applied, puts, logs = setup()
+    before = tuned.yaml_path.read_text()
+    v.on_verdict(Verdict(ref, paired.Interval(0.1, -1.0, 1.2, 24, 0.95), 200.0, 200.0, 434, "back", reverted=True))
+    assert tuned.config == ref and tuned.yaml_path.read_text() == before and puts == []  # nothing to rewrite
+
+    # a config the search decided for, sent back by the run: the YAML goes back to the starting config
+    out = tmp_path / "decided.yaml"
+    tuned = mt.Tuned(cand, None, out, Recipe(str(out), [], [], {}), model=[])
+    assert mt._write_yaml(out, cand, mt._key_meta(KEY), print)
+    applied, puts = [], []
+    cache = SimpleNamespace(put=lambda *a: puts.append(a))
+    v = mt._verification(tuned, ref.ub, SimpleNamespace(apply=applied.append), opts, KEY, cache, print, None, None)
+    assert v.tuned == cand and applied == []  # already live
+    v.on_verdict(Verdict(ref, paired.Interval(0.1, -1.0, 1.2, 24, 0.95), 200.0, 200.0, 434, "back", reverted=True))
+    assert tuned.config == ref and load_yaml(out) == ref.ub and "found no gain" in puts[0][3]["tuned"]["chosen"]

@@ -108,6 +108,7 @@ def build_report(result: SearchResult, topo: Topology, meta: dict[str, Any]) -> 
             "noise_ms": result.noise_ms,
             "config": result.best.to_dict(),
             "abba": result.decision,
+            "undecided": None if result.undecided is None else result.undecided.label,
         },
         "per_gemm_choices": result.choices,
         "contenders": [

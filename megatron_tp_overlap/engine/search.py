@@ -390,6 +390,7 @@ class Searcher:
         rejected: list[str] = []
         eligible = [c for c in others if c.name in sel and c.name not in self.report_only]
         winner, reason, decision = ref, "no config was faster than the reference in the selection round", {}
+        undecided: TuningConfig | None = None
         if not sel and self.budget_hit:  # nothing to compare: say why, not "no config was faster"
             reason = (
                 f"the budget ({self.opt.max_steps} steps, {self.opt.max_seconds:g} s) ran out before any candidate was "
@@ -432,6 +433,8 @@ class Searcher:
                     f"best was {best.name}, {slot.describe(ref=ref_ms)} per step vs the reference: within the noise "
                     "(not faster beyond the interval), keeping the reference"
                 )
+                if slot.estimate > 0 and not step.slower:  # ahead, unresolved: real iterations can settle it
+                    undecided = TuningConfig(best.config.ub, best.config.disabled, best.name)
             break
         if rejected:
             reason += "; " + "; ".join(rejected)
@@ -455,6 +458,7 @@ class Searcher:
             elapsed_s=self.elapsed_s,
             budget_hit=self.budget_hit,
             decision=decision,
+            undecided=undecided,
         )
 
     def _track(

@@ -129,3 +129,6 @@ class SearchResult:
     elapsed_s: float
     budget_hit: bool
     decision: dict = field(default_factory=dict)  # the final ABBA comparison: intervals, quadruples, drift
+    # the selected config when the decision ended with it ahead of the reference but not beyond the interval (the
+    # budget's resolution): the run keeps the reference, and an in-run verification can settle it on real iterations
+    undecided: TuningConfig | None = None

@@ -117,7 +117,7 @@ def tune_before_training(
     if getattr(tuned, "recipe", None) is not None:
         follow = follow_recipe(state.cfg.model, overlap)
         follow(tuned.recipe)
-        tuned.on_recipe.append(follow)  # the in-run verification may go back to the starting config
+        tuned.on_recipe.append(follow)  # the in-run verification may change the config (either way)
     return tuned.data_iterator, getattr(tuned, "verification", None)
 
 

@@ -189,7 +189,10 @@ def tune(
     tuned.recipe = _recipe(tuned.config, model, output)  # the search kept to this run's dgrad mode
     _write_outputs(tuned, key, cache, time.perf_counter() - t0, log)
     _tensorboard(result)
-    tuned.verification = _verification(tuned, reference, switcher, options, key, cache, log, remaining_iters)
+    undecided = result.search.undecided if result is not None else None
+    tuned.verification = _verification(
+        tuned, reference, switcher, options, key, cache, log, remaining_iters, undecided=undecided
+    )
     torch.distributed.barrier()
     return tuned
 
@@ -203,17 +206,21 @@ def _verification(
     cache: Any,
     log: Callable,
     remaining: Optional[int] = None,
+    undecided: Optional[TuningConfig] = None,
 ) -> Any:
-    """The in-run verification of ``tuned`` against ``reference`` (None when off or when they are the same config);
-    its verdict goes into the report, and a config that is not faster is replaced by the reference in the YAML and
-    the cache (rank 0, atomically)."""
+    """The in-run verification of ``tuned`` against ``reference`` (None when off or when there is nothing to
+    verify); its verdict goes into the report, and the YAML, recipe and cache follow the config it keeps (rank 0,
+    atomically). ``undecided``: when tuning kept the reference because its best config was ahead but not beyond the
+    interval its budget allowed, that config is verified instead: the YAML keeps the reference unless the run's
+    own iterations show the gain."""
     import torch
 
     from megatron_tp_overlap.engine.measure import agree_max
     from megatron_tp_overlap.engine.verify import InRunVerification, fitting, span
 
     ref = TuningConfig(reference, frozenset(), "reference")
-    if options.verify_iters <= 0 or switcher is None or tuned.config == ref:
+    candidate = tuned.config if tuned.config != ref else undecided
+    if options.verify_iters <= 0 or switcher is None or candidate is None or candidate == ref:
         return None
     iters = fitting(options.verify_iters, remaining)
     if iters == 0:
@@ -228,30 +235,42 @@ def _verification(
 
     def on_verdict(v: Any) -> None:
         tuned.notes.append(v.message)
-        if v.reverted:
+        changed = v.keep != tuned.config  # the YAML, recipe and cache hold tuned.config
+        if changed:
+            tuned.config = v.keep
             tuned.recipe = _recipe(v.keep, tuned.model, tuned.yaml_path)
             for listener in tuned.on_recipe:
                 listener(tuned.recipe)
         if torch.distributed.get_rank() != 0:
             return
         _update_report(tuned.yaml_path, {"in_run_verification": v.to_dict()}, log)
-        if v.reverted:
-            meta = {**_key_meta(key), "chosen": "reference (the in-run verification found no gain)"}
-            if _write_yaml(tuned.yaml_path, v.keep, meta, log):
-                _write_recipe(tuned.yaml_path, tuned.recipe, log)
-                _update_report(tuned.yaml_path, {"recipe": tuned.recipe.to_dict()}, log)
-                log(f"{TAG} rewrote {tuned.yaml_path} with the starting config; reproduce with: {tuned.recipe.line()}")
-            try:
-                cache.put(key, v.keep.ub, v.keep.disabled, {"tuned": {"chosen": "reference (in-run verification)"}})
-            except OSError as e:
-                log(f"{TAG} WARNING could not update the cache entry: {e}")
+        if not changed:
+            return
+        why = "found no gain" if v.reverted else "measured the gain"
+        chosen = f"{'reference' if v.reverted else v.keep.label} (the in-run verification {why})"
+        if _write_yaml(tuned.yaml_path, v.keep, {**_key_meta(key), "chosen": chosen}, log):
+            _write_recipe(tuned.yaml_path, tuned.recipe, log)
+            _update_report(tuned.yaml_path, {"recipe": tuned.recipe.to_dict()}, log)
+            what = "the starting config" if v.reverted else f"the {v.keep.label} config"
+            log(f"{TAG} rewrote {tuned.yaml_path} with {what}; reproduce with: {tuned.recipe.line()}")
+        try:
+            cache.put(key, v.keep.ub, v.keep.disabled, {"tuned": {"chosen": chosen}})
+        except OSError as e:
+            log(f"{TAG} WARNING could not update the cache entry: {e}")
+
+    if candidate != tuned.config:  # the search's best, ahead but unresolved: it runs first, as a tuned config does
+        switcher.apply(candidate)
+        log(
+            f"{TAG} {candidate.label} was ahead of the starting config but not beyond the interval the tuning budget "
+            "allows: the run's own iterations settle it (the YAML keeps the starting config unless they show the gain)"
+        )
 
     log(
         f"{TAG} verifying in the run: up to the next {span(iters)} iterations alternate the "
-        f"{tuned.config.label} config and the starting one (ABBA; it stops once the interval decides)"
+        f"{candidate.label} config and the starting one (ABBA; it stops once the interval decides)"
     )
     return InRunVerification(
-        tuned.config,
+        candidate,
         ref,
         iters,
         apply=switcher.apply,
