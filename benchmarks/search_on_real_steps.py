@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import json
 import math
 import os
@@ -44,16 +43,11 @@ MEGATRON_NAMES = {"linear_qkv": "qkv", "linear_proj": "proj", "linear_fc1": "fc1
 def overlap_modules(model) -> list:
     """The TE linears of a TP=1 Megatron GPT as the tuner sees them at TP>1 (no userbuffers at TP=1, so named by
     their Megatron path; every GEMM counted as overlapped: 12 slots' worth of GEMMs, as in the simulator)."""
-    from megatron_tp_overlap.engine.topology import OverlapModule
+    from megatron_tp_overlap.engine.topology import COLUMN_FLAGS, ROW_FLAGS, OverlapModule
 
-    flags = {
-        "column": {
-            "ub_overlap_ag_fprop": True,
-            "ub_overlap_rs_dgrad": False,
-            "ub_bulk_dgrad": True,
-            "ub_bulk_wgrad": True,
-        },
-        "row": {"ub_overlap_rs_fprop": True, "ub_overlap_ag_dgrad": True},
+    flags = {  # every flag on, but a column module's dgrad as bulk (a reduce-scatter dgrad would drop its wgrad)
+        "column": {f: f != "ub_overlap_rs_dgrad" for f in COLUMN_FLAGS},
+        "row": dict.fromkeys(ROW_FLAGS, True),
     }
     found = []
     for i, chunk in enumerate(model):
@@ -70,7 +64,7 @@ class Delays:
     (these hooks are registered first, the timer's per trial, and hooks run in registration order)."""
 
     def __init__(self, modules: list, calls_per_step: int, ms_per_cycle: float):
-        from megatron_tp_overlap.engine.measure import module_node
+        from megatron_tp_overlap.engine.measure import _first_tensor, module_node
 
         self.cycles: dict[str, int] = {}  # slot ("qkv.fwd") -> cycles per call
         self.calls, self.per_cycle = calls_per_step, ms_per_cycle
@@ -83,8 +77,8 @@ class Delays:
         def fwd(prefix: str):
             def hook(module, args, out):
                 sleep(f"{prefix}.fwd")
-                t = out[0] if isinstance(out, (tuple, list)) else out
-                node = module_node(t) if isinstance(t, torch.Tensor) and t.requires_grad else None
+                t = _first_tensor(out)
+                node = module_node(t) if t is not None and t.requires_grad else None
                 if node is not None:
                     node.register_hook(lambda gi, go: sleep(f"{prefix}.bwd"))
 
@@ -117,15 +111,14 @@ class RealSteps:
 
     def __call__(self, config, n: int, warmup: int):
         import torch
+        from trial_noise import simulated_switch
 
         from megatron_tp_overlap.engine.measure import SlotTimer
         from megatron_tp_overlap.engine.search import Measurement
 
         t = time.perf_counter()
-        if config != self.live:  # the switch: what the switcher does besides the re-init, and the re-init's idle GPU
-            gc.collect()
-            torch.cuda.synchronize()
-            time.sleep(self.idle_s)
+        if config != self.live:
+            simulated_switch(self.idle_s)
             self.delays.set(self.slot_excess_ms(config))
             self.live, self.switches = config, self.switches + 1
         for _ in range(warmup):
@@ -164,6 +157,7 @@ def probe_delays(real: RealSteps) -> dict:
 
 
 def one_search(real: RealSteps, seed: int, gain: float) -> dict:
+    from megatron_tp_overlap.engine import heap
     from megatron_tp_overlap.engine.search import Searcher, SearchOptions
     from megatron_tp_overlap.engine.space import TuningConfig, all_off, build_space
     from megatron_tp_overlap.tools import decision_sim as sim
@@ -174,14 +168,10 @@ def one_search(real: RealSteps, seed: int, gain: float) -> dict:
     world = sim.make_world(space, gain, rng)
     ref = TuningConfig(UbConfig(), frozenset(), "reference")
     real.start(world)
-    gc.collect()
-    gc.freeze()  # as tuning does (engine/heap.py)
-    try:
+    with heap.frozen():  # as tuning does
         res = Searcher(real.topo, space, real, sim.CTX, SearchOptions()).run(
             ref, {"no overlap": all_off(real.topo, ref)}
         )
-    finally:
-        gc.unfreeze()
     ref_ms, chosen_ms = world.step_ms(ref), world.step_ms(res.best)
     best_ms = world.step_ms(sim.best_config(world, space, ref))
     d = res.decision

@@ -93,14 +93,22 @@ def profile(steps, trials: int, idle_s: float) -> dict:
     gc.freeze()  # as tuning does
     records = []
     for _ in range(trials):
-        gc.collect()
-        torch.cuda.synchronize()
-        time.sleep(idle_s)  # the re-init's host work; the GPU idles
+        simulated_switch(idle_s)
         records += [one("trials", p) for p in range(STEPS_PER_TRIAL)]
     records += [one("steady", i % STEPS_PER_TRIAL) for i in range(trials * STEPS_PER_TRIAL)]
     gc.unfreeze()
     gc.callbacks.remove(on_gc)
     return {"records": records, "idle_s": idle_s}
+
+
+def simulated_switch(idle_s: float) -> None:
+    """What a userbuffers switch does besides the re-init (one ``gc.collect()``, a device sync), and the re-init's
+    ``idle_s`` seconds of host work with the GPU idle: the switch of the one-GPU benchmarks (TP=1, no userbuffers)."""
+    import torch
+
+    gc.collect()
+    torch.cuda.synchronize()
+    time.sleep(idle_s)
 
 
 def gpu_ms(fn) -> float:
@@ -146,10 +154,8 @@ def abba_calibration(steps, repeats: int, idle_s: float, delay_pct: float, block
 
     def evaluate(config, n: int, warmup: int) -> Measurement:
         t = time.perf_counter()
-        if config != live[0]:  # a switch: what the switcher does besides the re-init, and the re-init's idle GPU
-            gc.collect()
-            torch.cuda.synchronize()
-            time.sleep(idle_s)
+        if config != live[0]:
+            simulated_switch(idle_s)
             live[0] = config
         extra = (lambda: torch.cuda._sleep(delay_cycles)) if config == slower else (lambda: None)
         for _ in range(warmup):

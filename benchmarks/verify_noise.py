@@ -23,7 +23,6 @@ same iterations and gives the medians by position after a switch.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import statistics
@@ -137,7 +136,7 @@ def analyze(paths: list[str]) -> None:
 def inner(out: Path, a: argparse.Namespace, argv: list[str]) -> None:
     import megatron.training.training as training
     import torch
-    from trial_noise import sleep_ms_per_cycle
+    from trial_noise import simulated_switch, sleep_ms_per_cycle
 
     from megatron_tp_overlap.engine.space import TuningConfig
     from megatron_tp_overlap.engine.verify import InRunVerification, span
@@ -155,10 +154,8 @@ def inner(out: Path, a: argparse.Namespace, argv: list[str]) -> None:
             torch.cuda._sleep(state["delay_cycles"])
         return out
 
-    def switch(config: TuningConfig) -> None:  # what a switch does besides the re-init, and the re-init's idle GPU
-        gc.collect()
-        torch.cuda.synchronize()
-        time.sleep(a.idle_s)
+    def switch(config: TuningConfig) -> None:
+        simulated_switch(a.idle_s)
         state["live"] = config
 
     rows: list[dict] = []

@@ -73,3 +73,26 @@ def test_a_search_is_scored_against_the_truth():
     s = sr.summarize([gain, equal])
     assert s["runs_with_gain"] == 1 and s["equal_runs"] == 1 and s["realized_min"] == gain["realized"]
     assert s["worst_excess_pct"] == max(gain["excess_pct"], equal["excess_pct"])
+
+
+def test_a_tp1_megatron_gpt_is_seen_with_the_simulators_slots():
+    """At TP=1 no module has userbuffers flags: the benchmark names Megatron's linears by path and counts every GEMM
+    as overlapped, so the real model has the simulator's 12 GEMMs in its 8 slots (the GPU run asserts the same)."""
+    import torch
+
+    from megatron_tp_overlap.engine.topology import build_topology
+
+    def layer():
+        attn = torch.nn.Module()
+        attn.linear_qkv, attn.linear_proj = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+        mlp = torch.nn.Module()
+        mlp.linear_fc1, mlp.linear_fc2 = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+        m = torch.nn.Module()
+        m.self_attention, m.mlp, m.other = attn, mlp, torch.nn.Linear(2, 2)
+        return m
+
+    chunk = torch.nn.Sequential(layer(), layer(), layer())
+    modules = sr.overlap_modules([chunk])
+    assert len(modules) == 12 and {m.name for m in modules} == {"qkv", "proj", "fc1", "fc2"}
+    topo = build_topology(modules)
+    assert topo.slots() == sim.TOPO.slots() and topo.active == sim.TOPO.active and topo.layers == 3

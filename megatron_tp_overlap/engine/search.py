@@ -522,8 +522,8 @@ class Searcher:
         block, so effects of the position since a switch cancel too. Every block is a trial of its own: a trial
         ends with a device sync and host work (the GPU idles briefly), and a config's second block must follow
         that gap as its first follows a switch, for both configs alike (with B's two blocks in one trial, A's
-        continuing block alone followed a gap: on real H200 steps the reference then measured ~0.35% of a step
-        faster than an equal candidate, benchmarks/results/2026-11-23_h200x1/search_on_real_steps/)."""
+        continuing block alone followed a gap: on real H200 steps the reference then measured 0.06-0.55% of a step
+        faster than an equal candidate in 7 of 7 decisions, benchmarks/results/2026-11-23_h200x1/search_on_real_steps/)."""
         o, bs = self.opt, self.block_steps
         order: list[int] = []
         slot_blocks: list[float] = []
