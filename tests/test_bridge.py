@@ -236,14 +236,14 @@ def test_the_runs_configs_follow_the_recipe_and_its_revert(bridge, tmp_path, mon
     goes back to the starting config: the fields are back; no overlap wins: tp_comm_overlap is off in both configs."""
     from megatron_tp_overlap.integrations.megatron import tuning
     from megatron_tp_overlap.integrations.megatron.flags import recipe
-    from megatron_tp_overlap.ub.config import UbConfig
+    from megatron_tp_overlap.ub.config import UbConfig, parse_ub_cfgs
 
     active = frozenset({"qkv_fprop", "fc1_fprop", "proj_fprop", "fc2_fprop", "proj_dgrad", "fc2_dgrad"})
     ag = frozenset({"qkv_fprop", "fc1_fprop", "proj_dgrad", "fc2_dgrad"})
     tuned = SimpleNamespace(
         config=SimpleNamespace(ub=UbConfig()),
         data_iterator="it",
-        recipe=recipe(UbConfig(), ag, active, tmp_path / "t.yaml"),
+        recipe=recipe(UbConfig(), ag, active, tmp_path / "t.yaml", tp=2),
         on_recipe=[],
     )
     monkeypatch.setattr(tuning, "tune", lambda *a, **k: tuned)
@@ -258,7 +258,9 @@ def test_the_runs_configs_follow_the_recipe_and_its_revert(bridge, tmp_path, mon
         True,
     )
     (follow,) = tuned.on_recipe
-    follow(recipe(UbConfig(), frozenset(), active, tmp_path / "t.yaml"))  # the verification went back
+    tuned.config = SimpleNamespace(ub=parse_ub_cfgs({"fc2_fprop": {"method": "ring_exchange", "num_sm": 3}}))
+    follow(recipe(tuned.config.ub, frozenset(), active, tmp_path / "t.yaml", tp=2))  # the verdict changed the config
     assert (m.tp_comm_overlap_ag, m.tp_comm_overlap_rs, m.tp_comm_overlap) == (True, True, True)
-    follow(recipe(UbConfig(), active, active, tmp_path / "t.yaml"))  # no overlap at all
+    assert c.tp_comm_overlap_cfg.fc2_fprop.num_sm == 3  # the comm-overlap config's dataclass follows it too
+    follow(recipe(UbConfig(), active, active, tmp_path / "t.yaml", tp=2))  # no overlap at all
     assert m.tp_comm_overlap is False and c.tp_comm_overlap is False and m.tp_comm_overlap_ag is True

@@ -23,7 +23,7 @@ def parse(flags, monkeypatch):
 @pytest.mark.parametrize("name", list(KIND_SWITCHES))
 def test_each_kind_switch_flag_sets_its_transformer_config_field(name, monkeypatch):
     k = KIND_SWITCHES[name]
-    r = recipe(UbConfig(), k.gemms, ALL, "t.yaml")
+    r = recipe(UbConfig(), k.gemms, ALL, "t.yaml", tp=2)
     args = parse(r.add, monkeypatch)
     assert args.tp_comm_overlap and args.tp_comm_overlap_cfg == "t.yaml"
     for field, value in r.fields.items():
@@ -35,7 +35,7 @@ def test_each_kind_switch_flag_sets_its_transformer_config_field(name, monkeypat
 def test_rs_dgrad_and_every_kind_off_together(monkeypatch):
     rs = parse_ub_cfgs({g: {"method": "ring_exchange"} for g in ("qkv_dgrad", "fc1_dgrad")})
     off = KIND_SWITCHES["RS overlap"].gemms | KIND_SWITCHES["bulk wgrad"].gemms
-    r = recipe(rs, off, ALL - {"qkv_wgrad", "fc1_wgrad"} | off, "t.yaml")
+    r = recipe(rs, off, ALL - {"qkv_wgrad", "fc1_wgrad"} | off, "t.yaml", tp=2)
     args = parse(r.add, monkeypatch)
     assert args.tp_comm_overlap_rs_dgrad and not args.tp_comm_overlap_rs
     assert all(getattr(args, k) == v for k, v in r.fields.items())

@@ -219,7 +219,7 @@ def test_tune_runs_the_megatron_machinery_through_nemos_forward_step(nemo, tmp_p
     def fake_tune(model, fwd, optimizer, it, run, options, reference, output, **kw):
         seen.update(fwd=fwd, model=model, optimizer=optimizer, run=run, reference=reference, output=output)
         ub = parse_ub_cfgs({"fc2_fprop": {"method": "ring_exchange"}})
-        return SimpleNamespace(config=SimpleNamespace(ub=ub), data_iterator=["replayed", it])
+        return SimpleNamespace(config=SimpleNamespace(ub=ub), data_iterator=["replayed", it], on_recipe=[])
 
     class MegatronParallel(list):  # a ModuleList of model chunks with NeMo's step plumbing
         config, module, data_step = gpt_config(), "lightning module", "default data step"
@@ -261,3 +261,43 @@ def test_tune_runs_the_megatron_machinery_through_nemos_forward_step(nemo, tmp_p
     assert ref.get("proj_fprop").method == "ring_exchange" and ref.get("proj_fprop").fp8_buf is True
     assert type(cb.tp_comm_overlap_cfg).__name__ == "TransformerLayerTPOverlapCfg"  # NeMo's own class when it imports
     assert cb.tp_comm_overlap_cfg.fc2_fprop.method == "ring_exchange" and cb.tuned.data_iterator == it
+    assert cb.user_comm_overlap_cfg.tp_comm_overlap_cfg is cb.tp_comm_overlap_cfg  # what a later stage's setup copies
+    assert len(cb.tuned.on_recipe) == 1  # and it follows the in-run verification's verdict
+
+
+def test_the_callback_and_the_model_config_follow_the_recipe_and_its_revert(nemo, tmp_path):
+    """AG overlap off wins: the model config and its __io__ copy (what a NeMo checkpoint saves) say so, the callback
+    holds the tuned dataclass; the verification goes back: everything is back; no overlap wins: the callback's
+    tp_comm_overlap is off (NeMo's setup copies it onto the model config for a later stage)."""
+    from megatron_tp_overlap.integrations.megatron.flags import KIND_SWITCHES, recipe
+    from megatron_tp_overlap.ub.config import GEMM_NAMES, UbConfig, parse_ub_cfgs
+
+    switches = {k.field: True for k in KIND_SWITCHES.values()}
+    model = SimpleNamespace(
+        config=gpt_config(tp_comm_overlap_rs_dgrad=False, tp_comm_overlap_cfg="preset", **switches),
+        __io__=SimpleNamespace(
+            config=gpt_config(tp_comm_overlap_rs_dgrad=False, tp_comm_overlap_cfg="preset", **switches)
+        ),
+    )
+    cb = nemo.module.AutotuneCommOverlapCallback(tp_comm_overlap=True)
+    tuned_ub = parse_ub_cfgs({"fc2_fprop": {"method": "ring_exchange", "num_sm": 2}})
+    cb.tuned = SimpleNamespace(config=SimpleNamespace(ub=tuned_ub))
+    every, ag = frozenset(GEMM_NAMES), KIND_SWITCHES["AG overlap"].gemms
+    follow = cb.follow_recipe(model, 4)
+    follow(recipe(tuned_ub, ag, every, tmp_path / "t.yaml", tp=4))
+    for c in (model.config, model.__io__.config):
+        assert (c.tp_comm_overlap_ag, c.tp_comm_overlap_rs, c.tp_comm_overlap) == (False, True, True)
+        assert c.tp_comm_overlap_cfg.fc2_fprop.num_sm == 2
+    assert (
+        cb.tp_comm_overlap_cfg.fc2_fprop.num_sm == 2
+        and cb.user_comm_overlap_cfg.tp_comm_overlap_cfg.fc2_fprop.num_sm == 2
+    )
+
+    cb.tuned.config = SimpleNamespace(ub=UbConfig())  # the verification went back to the starting config
+    follow(recipe(UbConfig(), frozenset(), every, tmp_path / "t.yaml", tp=4))
+    assert model.config.tp_comm_overlap_ag is True and model.__io__.config.tp_comm_overlap_ag is True
+    assert cb.tp_comm_overlap_cfg.fc2_fprop.num_sm != 2 and cb.user_comm_overlap_cfg.tp_comm_overlap is True
+
+    follow(recipe(UbConfig(), every, every, tmp_path / "t.yaml", tp=4))  # no overlap at all
+    assert cb.user_comm_overlap_cfg.tp_comm_overlap is False and model.config.tp_comm_overlap is False
+    assert model.config.tp_comm_overlap_ag is True  # no kind switch needed: overlap is off as a whole

@@ -12,13 +12,13 @@ ALL = frozenset(GEMM_NAMES)
 
 
 def test_a_yaml_only_config():
-    r = recipe(UbConfig(), frozenset(), ALL, "t.yaml")
+    r = recipe(UbConfig(), frozenset(), ALL, "t.yaml", tp=2)
     assert r.add == ["--tp-comm-overlap", "--tp-comm-overlap-cfg", "t.yaml"] and r.drop == [] and r.problem is None
     assert r.fields == {"tp_comm_overlap": True, "tp_comm_overlap_cfg": "t.yaml"}
 
 
 def test_no_overlap_drops_the_flags():
-    r = recipe(UbConfig(), ALL, ALL, "t.yaml")
+    r = recipe(UbConfig(), ALL, ALL, "t.yaml", tp=2)
     assert r.add == [] and r.drop == ["--tp-comm-overlap", "--tp-comm-overlap-cfg"]
     assert r.fields == {"tp_comm_overlap": False} and r.line() == "and drop --tp-comm-overlap --tp-comm-overlap-cfg"
 
@@ -26,20 +26,20 @@ def test_no_overlap_drops_the_flags():
 @pytest.mark.parametrize("name", list(KIND_SWITCHES))
 def test_each_kind_switch_is_a_flag_and_a_field(name):
     k = KIND_SWITCHES[name]
-    r = recipe(UbConfig(), k.gemms, ALL, "t.yaml")
+    r = recipe(UbConfig(), k.gemms, ALL, "t.yaml", tp=2)
     assert r.add[-1] == k.flag and r.fields[k.field] is False and r.problem is None
     assert k.flag.startswith("--no-") and k.flag[5:].replace("-", "_") == k.field  # Megatron's store_false naming
 
 
 def test_a_single_gemm_off_has_no_flag_and_says_so():
-    r = recipe(UbConfig(), frozenset({"qkv_wgrad"}), ALL, "t.yaml")
+    r = recipe(UbConfig(), frozenset({"qkv_wgrad"}), ALL, "t.yaml", tp=2)
     assert "qkv_wgrad alone" in r.problem and not any(f.startswith("--no-") for f in r.add)
 
 
 def test_rs_dgrad_mode_keeps_bulk_dgrad_out_and_adds_its_flag():
     assert "bulk dgrad" not in switch_sets(rs_dgrad=True) and "bulk dgrad" in switch_sets(rs_dgrad=False)
     rs = parse_ub_cfgs({g: {"method": "ring_exchange"} for g in ("qkv_dgrad", "fc1_dgrad")})
-    r = recipe(rs, frozenset(), ALL, "t.yaml")
+    r = recipe(rs, frozenset(), ALL, "t.yaml", tp=2)
     assert "--tp-comm-overlap-rs-dgrad" in r.add and r.fields["tp_comm_overlap_rs_dgrad"] is True
 
 
@@ -59,7 +59,7 @@ def test_the_search_switches_a_whole_kind_off_where_every_option_of_it_loses_to_
     assert res.search.best_name.endswith("AG overlap off"), res.search.reason
     assert ag & tuner.topology.active <= res.best.disabled and not (res.best.disabled - ag)
     assert fake_te.cfg == res.best.ub  # live, with the AG modules' flags off
-    r = recipe(res.best.ub, res.best.disabled, frozenset(tuner.topology.active), "t.yaml")
+    r = recipe(res.best.ub, res.best.disabled, frozenset(tuner.topology.active), "t.yaml", tp=2)
     assert "--no-tp-comm-overlap-ag" in r.add and r.problem is None
 
 
@@ -74,3 +74,33 @@ def test_no_overlap_can_win_as_a_whole(fake_te):
     finally:
         fakes.PENALTY_MS.clear()
     assert res.search.best_name == "no overlap" and res.best.disabled == tuner.topology.active
+
+
+def test_nemo_recipe_is_callback_arguments_that_load_the_yaml_and_model_fields(tmp_path):
+    """NeMo's callback takes the config as a dataclass and sets tp_comm_overlap(_cfg) on the model config itself:
+    the recipe's callback source, evaluated, gives the dataclass of the YAML; the kind switches are model fields."""
+    from megatron_tp_overlap.ub.config import dumps_yaml
+    from megatron_tp_overlap.ub.layer_cfg import from_layer_cfg, load_layer_cfg
+
+    ub = parse_ub_cfgs({"fc2_fprop": {"method": "ring_exchange", "num_sm": 2}, "qkv_dgrad": {"method": "bulk"}})
+    path = tmp_path / "t.yaml"
+    path.write_text(dumps_yaml(ub))
+    k = KIND_SWITCHES["bulk wgrad"]
+    r = recipe(ub, k.gemms, ALL, path, tp=2)
+    kwargs = {name: eval(src, {"load_layer_cfg": load_layer_cfg}) for name, src in r.nemo_callback().items()}
+    assert kwargs["tp_comm_overlap"] is True
+    back = from_layer_cfg(kwargs["tp_comm_overlap_cfg"])
+    assert back.get("fc2_fprop").method == "ring_exchange" and back.get("fc2_fprop").num_sm == 2
+    assert back.get("qkv_dgrad").method == "bulk"
+    assert r.nemo_model_fields() == {k.field: False} and r.nemo_problem is None
+    assert r.to_dict()["nemo"]["line"] == r.nemo_line() and k.field in r.nemo_line()
+
+    off = recipe(ub, ALL, ALL, path, tp=2)  # no overlap at all: the callback's own switch
+    assert off.nemo_callback() == {"tp_comm_overlap": "False"} and off.nemo_model_fields() == {}
+
+
+def test_nemo_recipe_says_when_its_dataclass_cannot_hold_the_config():
+    ub = parse_ub_cfgs({"proj_wgrad": {"method": "bulk"}})  # no field for it in TransformerLayerTPOverlapCfg
+    r = recipe(ub, frozenset(), ALL, "t.yaml", tp=2)
+    assert "proj_wgrad" in r.nemo_problem and r.to_dict()["nemo"]["problem"] == r.nemo_problem
+    assert recipe(UbConfig(), frozenset(), ALL, "t.yaml", tp=2).nemo_problem is None

@@ -26,7 +26,7 @@ from typing import Any
 from megatron.bridge.training.comm_overlap import CommOverlapConfig
 
 from megatron_tp_overlap.engine.options import PREFIX, TuneOptions, option_fields
-from megatron_tp_overlap.integrations.megatron.flags import KIND_SWITCHES, default_output, output_problems
+from megatron_tp_overlap.integrations.megatron.flags import default_output, follow_fields, output_problems
 from megatron_tp_overlap.integrations.megatron.launcher import guarded_compile_helpers, verifying
 from megatron_tp_overlap.integrations.megatron.run_shape import RunShape
 from megatron_tp_overlap.ub.layer_cfg import reference_config
@@ -86,7 +86,6 @@ def tune_before_training(
     from megatron.bridge.training.utils.train_utils import prepare_forward_step_func
 
     from megatron_tp_overlap.integrations.megatron.tuning import tune
-    from megatron_tp_overlap.ub.layer_cfg import framework_classes, to_layer_cfg
 
     options = overlap.tune_options
     run = RunShape.from_transformer_config(
@@ -110,13 +109,9 @@ def tune_before_training(
         remaining_iters=_remaining_iters(state),
     )
     state.cfg.model.tp_comm_overlap_cfg = str(out)  # what the rest of the run (and a saved config) uses
-    try:
-        overlap.tp_comm_overlap_cfg = to_layer_cfg(tuned.config.ub, run.tp, framework_classes())
-    except ValueError:  # a GEMM the dataclass cannot hold: the YAML path above still says it all
-        overlap.tp_comm_overlap_cfg = None
-    if getattr(tuned, "recipe", None) is not None:
-        follow = follow_recipe(state.cfg.model, overlap)
-        follow(tuned.recipe)
+    follow = follow_recipe(tuned, run.tp, state.cfg.model, overlap)
+    follow(getattr(tuned, "recipe", None))
+    if hasattr(tuned, "on_recipe"):
         tuned.on_recipe.append(follow)  # the in-run verification may change the config (either way)
     return tuned.data_iterator, getattr(tuned, "verification", None)
 
@@ -128,17 +123,23 @@ def _remaining_iters(state: Any) -> int | None:
     return total - done if isinstance(total, int) and total > 0 else None
 
 
-def follow_recipe(model_cfg: Any, overlap: Any) -> Callable[[Any], None]:
-    """Keeps the run's configs saying what its recipe says: the ``TransformerConfig`` fields of the kind switches
-    and the dgrad mode (``tp_comm_overlap_ag`` ..., from the values the run started with) and ``tp_comm_overlap`` of
-    both configs (False when no overlap won), so that a config saved with a checkpoint reproduces the tuned run."""
-    names = ["tp_comm_overlap", "tp_comm_overlap_rs_dgrad", *(k.field for k in KIND_SWITCHES.values())]
-    started = {n: getattr(model_cfg, n) for n in names if hasattr(model_cfg, n)}
+def follow_recipe(tuned: Any, tp: int, model_cfg: Any, overlap: Any) -> Callable[[Any], None]:
+    """Keeps the run's configs saying what its recipe says: the model config's kind-switch and dgrad-mode fields
+    (:func:`~integrations.megatron.flags.follow_fields`), ``tp_comm_overlap`` of both configs (False when no
+    overlap won) and the comm-overlap config's ``TransformerLayerTPOverlapCfg`` (of ``tuned.config``, which the
+    in-run verification may change), so that a config saved with a checkpoint reproduces the tuned run."""
+    from megatron_tp_overlap.ub.layer_cfg import framework_classes, to_layer_cfg
+
+    fields = follow_fields(model_cfg)
 
     def apply(recipe: Any) -> None:
-        for name, value in started.items():
-            setattr(model_cfg, name, recipe.fields.get(name, value))
-        overlap.tp_comm_overlap = recipe.fields.get("tp_comm_overlap", True)
+        if recipe is not None:
+            fields(recipe)
+            overlap.tp_comm_overlap = recipe.fields.get("tp_comm_overlap", True)
+        try:
+            overlap.tp_comm_overlap_cfg = to_layer_cfg(tuned.config.ub, tp, framework_classes())
+        except ValueError:  # a GEMM the dataclass cannot hold: the model config's YAML path still says it all
+            overlap.tp_comm_overlap_cfg = None
 
     return apply
 

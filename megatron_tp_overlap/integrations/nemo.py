@@ -14,8 +14,9 @@ iterator, runs the trial steps through NeMo's own Megatron forward step (``Megat
 wrapped_forward_step`` with the module's training data/forward/loss steps) using the Megatron-LM
 integration's :func:`~integrations.megatron.tuning.tune` (no optimizer step, gradients zeroed, RNG and FP8
 state restored), and hands the step the same batches.
-The tuned config is applied, written as a YAML plus report, and kept as this callback's
-``tp_comm_overlap_cfg``.
+The tuned config is applied and written as a YAML plus report and recipe; the callback's arguments and the model
+config (with its ``__io__`` copy that a checkpoint saves) then say what the recipe says, and follow the in-run
+verification's verdict.
 
 Written against NeMo 2.7 (``nemo.lightning``), the last NeMo with the NeMo 2 LLM stack. NeMo 2.7 does not
 import with megatron-core 0.19 (its GPT model imports
@@ -150,7 +151,7 @@ class AutotuneCommOverlapCallback(MegatronCommOverlapCallback):
         from megatron.core.num_microbatches_calculator import get_micro_batch_size
 
         from megatron_tp_overlap.integrations.megatron.tuning import tune
-        from megatron_tp_overlap.ub.layer_cfg import framework_classes, reference_config, to_layer_cfg
+        from megatron_tp_overlap.ub.layer_cfg import reference_config
 
         mp = trainer.model  # MegatronParallel: the model chunks, NeMo's step functions
         run = RunShape.from_transformer_config(mp.config, get_micro_batch_size(), self.tp_comm_bootstrap_backend)
@@ -170,11 +171,38 @@ class AutotuneCommOverlapCallback(MegatronCommOverlapCallback):
             self.output_path(trainer),
             remaining_iters=_remaining_iters(trainer),
         )
-        try:  # what a later stage's userbuffers initialization (validation/test) uses
-            self.tp_comm_overlap_cfg = to_layer_cfg(self.tuned.config.ub, run.tp, framework_classes("NeMo 2"))
-        except ValueError:  # a GEMM the dataclass cannot hold: the YAML says it all
-            pass
+        follow = self.follow_recipe(mp, run.tp)
+        follow(getattr(self.tuned, "recipe", None))
+        if hasattr(self.tuned, "on_recipe"):
+            self.tuned.on_recipe.append(follow)  # the in-run verification may change the config (either way)
         return self.tuned.data_iterator
+
+    def follow_recipe(self, mp: Any, tp: int) -> Any:
+        """Keeps NeMo's configs saying what the recipe says: the model config (and its ``__io__`` copy, which a
+        checkpoint saves) gets the kind switches and the dgrad mode (:func:`~integrations.megatron.flags.
+        follow_fields`), and ``tp_comm_overlap`` / ``tp_comm_overlap_cfg`` go where NeMo's callback keeps them
+        (its arguments, which its ``setup`` copies onto the model config for a later stage, and the model config)."""
+        from megatron_tp_overlap.integrations.megatron.flags import follow_fields
+        from megatron_tp_overlap.ub.layer_cfg import framework_classes, to_layer_cfg
+
+        io_config = getattr(getattr(mp, "__io__", None), "config", None)
+        configs = [c for c in (mp.config, io_config) if c is not None]
+        fields = follow_fields(*configs)
+
+        def apply(recipe: Any) -> None:
+            if recipe is not None:
+                fields(recipe)
+                self.user_comm_overlap_cfg.tp_comm_overlap = recipe.fields.get("tp_comm_overlap", True)
+            try:
+                layer = to_layer_cfg(self.tuned.config.ub, tp, framework_classes("NeMo 2"))
+            except ValueError:  # a GEMM the dataclass cannot hold: the YAML and the report say it all
+                return
+            self.tp_comm_overlap_cfg = self.user_comm_overlap_cfg.tp_comm_overlap_cfg = layer
+            for c in configs:
+                if hasattr(c, "tp_comm_overlap_cfg"):
+                    c.tp_comm_overlap_cfg = layer
+
+        return apply
 
 
 def _remaining_iters(trainer: Any) -> int | None:

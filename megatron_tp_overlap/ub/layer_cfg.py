@@ -23,7 +23,14 @@ from pathlib import Path
 from typing import Any
 
 from megatron_tp_overlap.errors import ConfigError, Problem
-from megatron_tp_overlap.ub.config import BOOL_KNOBS, GemmOverlapConfig, UbConfig, parse_ub_cfgs, te_default
+from megatron_tp_overlap.ub.config import (
+    BOOL_KNOBS,
+    GemmOverlapConfig,
+    UbConfig,
+    load_yaml,
+    parse_ub_cfgs,
+    te_default,
+)
 
 LAYER_FIELDS = (
     "qkv_dgrad",
@@ -194,11 +201,15 @@ def _entry(gemm: str, c: GemmOverlapConfig, classes: LayerCfgClasses) -> Any:
     raise ConfigError([Problem(f"{gemm}.method", c.method, "NeMo/Megatron-Bridge have no dataclass for this method")])
 
 
+def load_layer_cfg(path: str | Path, tp_size: int, prefer: str = "NeMo 2") -> Any:
+    """A tuned YAML (``--tp-comm-overlap-cfg``) as the ``TransformerLayerTPOverlapCfg`` that NeMo 2's
+    ``MegatronCommOverlapCallback(tp_comm_overlap_cfg=...)`` takes (the tuning's recipe names this call)."""
+    return to_layer_cfg(load_yaml(path), tp_size, framework_classes(prefer))
+
+
 def reference_config(cfg: Any) -> UbConfig:
     """A run's ``tp_comm_overlap_cfg`` before tuning, as NeMo/Bridge hold it: a YAML path, a
     ``TransformerLayerTPOverlapCfg`` (or its ``asdict``), or None (TE's defaults)."""
-    from megatron_tp_overlap.ub.config import load_yaml
-
     if cfg is None:
         return UbConfig()
     if isinstance(cfg, (str, Path)):

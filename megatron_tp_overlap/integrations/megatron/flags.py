@@ -5,6 +5,7 @@ that reproduce a tuned config (the recipe). Pure: CPU-testable without Megatron.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -151,16 +152,22 @@ def switch_sets(rs_dgrad: bool) -> dict[str, frozenset[str]]:
     return {n: k.gemms for n, k in KIND_SWITCHES.items() if not (rs_dgrad and n == "bulk dgrad")}
 
 
+# NeMo's callback owns these two (its ``setup`` sets them on the model config from its own arguments)
+NEMO_CALLBACK_FIELDS = ("tp_comm_overlap", "tp_comm_overlap_cfg")
+
+
 @dataclass
 class Recipe:
     """What reproduces a tuned config in a fresh run: the YAML, the flags to add and to drop, the
-    ``TransformerConfig`` / Megatron-Bridge fields, and why it cannot be reproduced (or None)."""
+    ``TransformerConfig`` / Megatron-Bridge fields, NeMo's, and why it cannot be reproduced (or None)."""
 
     yaml: str
     add: list[str]
     drop: list[str]
     fields: dict[str, Any]
     problem: Optional[str] = None
+    tp: int = 0  # the tensor-parallel size: NeMo's dataclass spells out TE's defaults for it
+    nemo_problem: Optional[str] = None  # why NeMo's TransformerLayerTPOverlapCfg cannot hold the YAML
 
     def line(self) -> str:
         """One line to paste."""
@@ -168,6 +175,22 @@ class Recipe:
         if self.drop:
             parts.append(f"and drop {' '.join(self.drop)}")
         return " ".join(parts) if parts else "nothing to change"
+
+    def nemo_callback(self) -> dict[str, str]:
+        """NeMo 2: ``MegatronCommOverlapCallback`` keyword arguments, as Python source (NeMo takes the config as a
+        ``TransformerLayerTPOverlapCfg``, which :func:`~ub.layer_cfg.load_layer_cfg` reads from the YAML)."""
+        if not self.fields.get("tp_comm_overlap", False):
+            return {"tp_comm_overlap": "False"}
+        return {"tp_comm_overlap": "True", "tp_comm_overlap_cfg": f"load_layer_cfg({self.yaml!r}, tp_size={self.tp})"}
+
+    def nemo_model_fields(self) -> dict[str, Any]:
+        """NeMo 2: the model config fields (the callback does not set them)."""
+        return {k: v for k, v in self.fields.items() if k not in NEMO_CALLBACK_FIELDS}
+
+    def nemo_line(self) -> str:
+        kwargs = ", ".join(f"{k}={v}" for k, v in self.nemo_callback().items())
+        model = ", ".join(f"{k}={v!r}" for k, v in self.nemo_model_fields().items())
+        return f"MegatronCommOverlapCallback({kwargs})" + (f"; model config: {model}" if model else "")
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -177,14 +200,21 @@ class Recipe:
             "transformer_config": self.fields,
             "line": self.line(),
             "problem": self.problem,
+            "nemo": {
+                "callback": self.nemo_callback(),
+                "model_config": self.nemo_model_fields(),
+                "line": self.nemo_line(),
+                "problem": self.nemo_problem,
+            },
         }
 
 
-def recipe(ub: UbConfig, disabled: frozenset[str], active: frozenset[str], yaml_path: str | Path) -> Recipe:
-    """The recipe of ``ub`` with the GEMMs in ``disabled`` switched off, in a run that overlaps ``active``."""
+def recipe(ub: UbConfig, disabled: frozenset[str], active: frozenset[str], yaml_path: str | Path, *, tp: int) -> Recipe:
+    """The recipe of ``ub`` with the GEMMs in ``disabled`` switched off, in a run of tensor-parallel size ``tp``
+    that overlaps ``active``."""
     off = disabled & active
     if active and off == active:  # no overlap at all: the run needs no userbuffers
-        return Recipe("", [], ["--tp-comm-overlap", "--tp-comm-overlap-cfg"], {"tp_comm_overlap": False})
+        return Recipe("", [], ["--tp-comm-overlap", "--tp-comm-overlap-cfg"], {"tp_comm_overlap": False}, tp=tp)
     add, problem = flags_for(ub, yaml_path)
     fields: dict[str, Any] = {"tp_comm_overlap": True, "tp_comm_overlap_cfg": str(yaml_path)}
     if "--tp-comm-overlap-rs-dgrad" in add:
@@ -198,4 +228,29 @@ def recipe(ub: UbConfig, disabled: frozenset[str], active: frozenset[str], yaml_
     if off - covered:
         why = f"overlap off for {', '.join(sorted(off - covered))} alone: no Megatron flag or YAML key says that"
         problem = f"{problem}; {why}" if problem else why
-    return Recipe(str(yaml_path), add, [], fields, problem)
+    return Recipe(str(yaml_path), add, [], fields, problem, tp, _layer_cfg_problem(ub, tp))
+
+
+def _layer_cfg_problem(ub: UbConfig, tp: int) -> Optional[str]:
+    from megatron_tp_overlap.ub.layer_cfg import LayerCfgClasses, to_layer_cfg
+
+    try:
+        to_layer_cfg(ub, tp, LayerCfgClasses())  # the mirror classes: same fields as NeMo's
+    except ConfigError as e:
+        return "; ".join(str(x) for x in e.problems)
+    return None
+
+
+def follow_fields(*configs: Any) -> Callable[[Recipe], None]:
+    """Keeps ``TransformerConfig``-like ``configs`` saying what a recipe says: ``tp_comm_overlap``, the dgrad mode
+    and the kind switches (each back to the value it started with where the recipe does not set it), so that a
+    config saved with a checkpoint reproduces the tuned run. Call the result with every new recipe."""
+    names = ["tp_comm_overlap", "tp_comm_overlap_rs_dgrad", *(k.field for k in KIND_SWITCHES.values())]
+    started = [(c, {n: getattr(c, n) for n in names if hasattr(c, n)}) for c in configs]
+
+    def apply(r: Recipe) -> None:
+        for config, values in started:
+            for name, value in values.items():
+                setattr(config, name, r.fields.get(name, value))
+
+    return apply

@@ -165,7 +165,9 @@ def tune(
         found = _reuse(cache, key, reference, output, log, check)
         if found is not None:
             reused, switcher = found
-            tuned = Tuned(reused, steps.data_iterator, output, _recipe(reused, model, output), reused=True, model=model)
+            tuned = Tuned(
+                reused, steps.data_iterator, output, _recipe(reused, model, output, run.tp), reused=True, model=model
+            )
             tuned.verification = _verification(tuned, reference, switcher, options, key, cache, log, remaining_iters)
             return tuned
 
@@ -186,7 +188,7 @@ def tune(
         log(result.summary)
         if state_check is not None:
             result.report["state_check"] = _verdict(state_check, log)
-    tuned.recipe = _recipe(tuned.config, model, output)  # the search kept to this run's dgrad mode
+    tuned.recipe = _recipe(tuned.config, model, output, run.tp)  # the search kept to this run's dgrad mode
     _write_outputs(tuned, key, cache, time.perf_counter() - t0, log)
     _tensorboard(result)
     undecided = result.search.undecided if result is not None else None
@@ -238,7 +240,7 @@ def _verification(
         changed = v.keep != tuned.config  # the YAML, recipe and cache hold tuned.config
         if changed:
             tuned.config = v.keep
-            tuned.recipe = _recipe(v.keep, tuned.model, tuned.yaml_path)
+            tuned.recipe = _recipe(v.keep, tuned.model, tuned.yaml_path, tuned.recipe.tp)
             for listener in tuned.on_recipe:
                 listener(tuned.recipe)
         if torch.distributed.get_rank() != 0:
@@ -291,8 +293,8 @@ def _active(model: list) -> frozenset[str]:
         return frozenset()
 
 
-def _recipe(config: TuningConfig, model: list, output: Path) -> Recipe:
-    return recipe(config.ub, config.disabled, _active(model), output)
+def _recipe(config: TuningConfig, model: list, output: Path, tp: int) -> Recipe:
+    return recipe(config.ub, config.disabled, _active(model), output, tp=tp)
 
 
 def recipe_path(yaml_path: Path) -> Path:
@@ -306,11 +308,17 @@ def _write_recipe(yaml_path: Path, r: Recipe, log: Callable) -> None:
     lines = [
         "# Megatron-LM flags (add; drop where it says so):",
         r.line(),
-        "# megatron-core TransformerConfig / Megatron-Bridge model config / NeMo 2 model config fields:",
+        "# megatron-core TransformerConfig / Megatron-Bridge model config fields:",
         *(f"{k} = {v!r}" for k, v in r.fields.items()),
     ]
     if r.problem:
         lines.append(f"# cannot be fully reproduced: {r.problem}")
+    lines += [
+        "# NeMo 2 (from megatron_tp_overlap.ub.layer_cfg import load_layer_cfg):",
+        r.nemo_line(),
+    ]
+    if r.nemo_problem:
+        lines.append(f"# NeMo's TransformerLayerTPOverlapCfg cannot hold this config: {r.nemo_problem}")
     try:
         atomic_write_text(recipe_path(yaml_path), "\n".join(lines) + "\n")
     except OSError as e:
