@@ -251,7 +251,8 @@ def inner(
             steps.step()
         step_ms = statistics.median(gpu_ms(steps.step) for _ in range(10))
         real = RealSteps(steps, modules, topo, delays, idle_s, step_ms / sim.STEP_MS)
-        result = {"step_ms": step_ms, "ms_per_cycle": delays.per_cycle, "idle_s": idle_s, "runs": []}
+        result = {"megatron_args": argv[1:], "step_ms": step_ms, "ms_per_cycle": delays.per_cycle, "idle_s": idle_s}
+        result["runs"] = []
         result["probe"] = probe_delays(real)  # the put-in delay, measured on whole steps
         delays.set({})
         for i in range(runs):
@@ -342,6 +343,7 @@ def main() -> None:
     p.add_argument(
         "--shape", default="", help="model keys of benchmarks/megatron_autotune.MODEL, e.g. hidden=5120,ffn=14336"
     )
+    p.add_argument("--fp8", action="store_true", help="FP8 GEMMs (--fp8-format hybrid)")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     a, rest = p.parse_known_args()
@@ -352,7 +354,7 @@ def main() -> None:
     from megatron_autotune import one_gpu_args
 
     shape = {k: int(v) for k, v in (kv.split("=", 1) for kv in a.shape.split(",") if kv)}
-    args = one_gpu_args(a.seq, 10, **shape)
+    args = one_gpu_args(a.seq, 10, **shape) + (["--fp8-format", "hybrid"] if a.fp8 else [])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", __file__, "--inner", "--out", str(out)]
     cmd += ["--runs", str(a.runs), "--minutes", str(a.minutes), "--idle-s", str(a.idle_s)]
     cmd += ["--first-seed", str(a.first_seed), "--gain-pct", *map(str, a.gain_pct), a.script, *args]
