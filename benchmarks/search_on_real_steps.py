@@ -225,7 +225,14 @@ def gap_effect_ms(blocks: list[list]) -> float | None:
 
 
 def inner(
-    out: Path, runs: int, minutes: float, idle_s: float, first_seed: int, gains: tuple[float, float], argv: list[str]
+    out: Path,
+    runs: int,
+    minutes: float,
+    idle_s: float,
+    first_seed: int,
+    gains: tuple[float, float],
+    argv: list[str],
+    trial_microbatches: int = 0,
 ) -> None:
     import megatron.training.training as training
     import torch
@@ -241,7 +248,9 @@ def inner(
     t_start = time.perf_counter()
 
     def train(forward_step_func, model, optimizer, scheduler, data_iterator, *rest, **kw):
-        steps = MegatronSteps(model, forward_step_func, optimizer, data_iterator, RunShape.from_args(get_args()))
+        steps = MegatronSteps(
+            model, forward_step_func, optimizer, data_iterator, RunShape.from_args(get_args()), trial_microbatches
+        )
         modules = overlap_modules(model)
         topo = build_topology(modules)
         assert topo.slots() == sim.TOPO.slots(), (topo, sim.TOPO)
@@ -252,6 +261,7 @@ def inner(
         step_ms = statistics.median(gpu_ms(steps.step) for _ in range(10))
         real = RealSteps(steps, modules, topo, delays, idle_s, step_ms / sim.STEP_MS)
         result = {"megatron_args": argv[1:], "step_ms": step_ms, "ms_per_cycle": delays.per_cycle, "idle_s": idle_s}
+        result["trial_microbatches"] = steps.n_mb
         result["runs"] = []
         result["probe"] = probe_delays(real)  # the put-in delay, measured on whole steps
         delays.set({})
@@ -345,17 +355,24 @@ def main() -> None:
     )
     p.add_argument("--fp8", action="store_true", help="FP8 GEMMs (--fp8-format hybrid)")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument(
+        "--trial-microbatches",
+        type=int,
+        default=0,
+        help="micro-batches per trial step (the tuner's option; 0: its default, the fewest: 1 here)",
+    )
     p.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     a, rest = p.parse_known_args()
     out = Path(a.out)
     if a.inner:
-        inner(out, a.runs, a.minutes, a.idle_s, a.first_seed, tuple(a.gain_pct), rest)
+        inner(out, a.runs, a.minutes, a.idle_s, a.first_seed, tuple(a.gain_pct), rest, a.trial_microbatches)
         return
     from megatron_autotune import one_gpu_args
 
     shape = {k: int(v) for k, v in (kv.split("=", 1) for kv in a.shape.split(",") if kv)}
     args = one_gpu_args(a.seq, 10, **shape) + (["--fp8-format", "hybrid"] if a.fp8 else [])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", __file__, "--inner", "--out", str(out)]
+    cmd += ["--trial-microbatches", str(a.trial_microbatches)]
     cmd += ["--runs", str(a.runs), "--minutes", str(a.minutes), "--idle-s", str(a.idle_s)]
     cmd += ["--first-seed", str(a.first_seed), "--gain-pct", *map(str, a.gain_pct), a.script, *args]
     print(" ".join(cmd), flush=True)

@@ -217,7 +217,14 @@ def summarize(records: list[dict]) -> dict:
 
 
 def inner(
-    out: Path, trials: int, idle_s: float, abba: int, delay_pct: float, block_steps: int, argv: list[str]
+    out: Path,
+    trials: int,
+    idle_s: float,
+    abba: int,
+    delay_pct: float,
+    block_steps: int,
+    argv: list[str],
+    trial_microbatches: int = 0,
 ) -> None:
     import megatron.training.training as training
     from megatron.training import get_args
@@ -227,7 +234,9 @@ def inner(
     from megatron_tp_overlap.integrations.megatron.tuning import MegatronSteps
 
     def train(forward_step_func, model, optimizer, scheduler, data_iterator, *rest, **kw):
-        steps = MegatronSteps(model, forward_step_func, optimizer, data_iterator, RunShape.from_args(get_args()))
+        steps = MegatronSteps(
+            model, forward_step_func, optimizer, data_iterator, RunShape.from_args(get_args()), trial_microbatches
+        )
         result = profile(steps, trials, idle_s)
         if abba:
             result["abba"] = abba_calibration(steps, abba, idle_s, delay_pct, block_steps)
@@ -250,16 +259,23 @@ def main() -> None:
     p.add_argument("--delay-pct", type=float, default=0.5, help="the A/B candidate's extra GPU time, % of a step")
     p.add_argument("--block-steps", type=int, default=3, help="steps per ABBA block (the search's default: 3)")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument(
+        "--trial-microbatches",
+        type=int,
+        default=0,
+        help="micro-batches per trial step (the tuner's option; 0: its default, the fewest: 1 here)",
+    )
     p.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     a, rest = p.parse_known_args()
     out = Path(a.out)
     if a.inner:
-        inner(out, a.trials, a.idle_s, a.abba_repeats, a.delay_pct, a.block_steps, rest)
+        inner(out, a.trials, a.idle_s, a.abba_repeats, a.delay_pct, a.block_steps, rest, a.trial_microbatches)
         return
     from megatron_autotune import one_gpu_args
 
     args = one_gpu_args(a.seq, 10)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", __file__, "--inner", "--out", str(out)]
+    cmd += ["--trial-microbatches", str(a.trial_microbatches)]
     cmd += ["--trials", str(a.trials), "--idle-s", str(a.idle_s), "--abba-repeats", str(a.abba_repeats)]
     cmd += ["--delay-pct", str(a.delay_pct), "--block-steps", str(a.block_steps), a.script, *args]
     print(" ".join(cmd), flush=True)

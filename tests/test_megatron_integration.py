@@ -568,3 +568,20 @@ def test_an_undecided_config_is_verified_in_the_run_and_written_only_when_the_ru
     assert v.tuned == cand and applied == []  # already live
     v.on_verdict(Verdict(ref, paired.Interval(0.1, -1.0, 1.2, 24, 0.95), 200.0, 200.0, 434, "back", reverted=True))
     assert tuned.config == ref and load_yaml(out) == ref.ub and "found no gain" in puts[0][3]["tuned"]["chosen"]
+
+
+@pytest.mark.parametrize(
+    "run_mb, pp, chunks, asked, expected",
+    [
+        (8, 1, 1, 0, 1),  # no pipeline: one micro-batch
+        (8, 4, 1, 0, 4),  # 1F1B: a full pipeline
+        (2, 4, 1, 0, 2),  # never more than the run has
+        (8, 4, 2, 0, 8),  # interleaved: the run's own count (its micro-batch groups must fit)
+        (8, 1, 1, 3, 3),  # asked
+        (8, 1, 1, 20, 8),  # asked, at most the run's
+    ],
+)
+def test_trial_steps_run_the_fewest_micro_batches_the_schedule_takes(run_mb, pp, chunks, asked, expected):
+    from megatron_tp_overlap.integrations.megatron.tuning import trial_microbatches
+
+    assert trial_microbatches(run_mb, pp, chunks, asked) == expected

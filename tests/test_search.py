@@ -1,6 +1,7 @@
 """Search logic on synthetic timing functions (no sleeping: a cost model plus seeded noise)."""
 
 import random
+import re
 
 import fakes
 import pytest
@@ -105,6 +106,21 @@ def test_time_budget_is_respected():
     ).run(ref, base)
     assert res.elapsed_s <= 12 and res.budget_hit
     assert any(t.phase == "select" for t in res.trials)  # the decision is reserved, not skipped
+
+
+def test_a_search_the_budget_cut_short_says_so_and_what_it_left_out():
+    """On real H200 steps of ~290 ms the default budget ended screening early and the result read "no config was
+    faster than the reference": the reason and the report must say the search was cut short, and by how much."""
+    topo, space, ref, base = setup()
+    short = Searcher(
+        topo, space, Synthetic(topo, s_per_step=0.1), CTX, SearchOptions(max_steps=10_000, max_seconds=12)
+    ).run(ref, base)
+    n = sum(1 for opts in space.values() for opt in opts if apply(ref, opt, topo) != ref)
+    assert short.cut_short and f"of {n} options screened" in short.cut_short and short.cut_short in short.reason
+    counts = re.findall(r"(\d+) of (\d+) (?:options screened|re-measured)", short.cut_short)
+    assert len(counts) == 2 and any(int(done) < int(of) for done, of in counts)
+    full = Searcher(topo, space, Synthetic(topo), CTX, SearchOptions(max_steps=10_000, max_seconds=1e9)).run(ref, base)
+    assert full.cut_short is None and "budget ran out" not in full.reason
 
 
 def test_gain_within_noise_is_rejected():

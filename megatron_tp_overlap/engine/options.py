@@ -51,6 +51,13 @@ class TuneOptions:
         max=0.5,
     )
     trial_timeout: float = _opt(120.0, "Seconds: a candidate whose trial takes longer is rejected.")
+    microbatches: int = _opt(
+        0,
+        "Micro-batches per trial step (at most the run's own). 0: the fewest the pipeline schedule takes: 1 without "
+        "pipeline parallelism, the pipeline size with it, all of them with an interleaved schedule. The overlapped "
+        "GEMMs run the same per micro-batch, and shorter trial steps let the budget hold the whole search.",
+        min=0,
+    )
     verify_iters: int = _opt(
         384,
         "Most measured training iterations after tuning that alternate the tuned config and the starting one (ABBA "

@@ -126,6 +126,7 @@ def build_report(result: SearchResult, topo: Topology, meta: dict[str, Any]) -> 
             "steps_run": result.steps_run,
             "elapsed_s": round(result.elapsed_s, 3),
             "budget_hit": result.budget_hit,
+            "cut_short": result.cut_short,
         },
         "trials": [t.to_dict() for t in result.trials],
     }

@@ -63,6 +63,7 @@ class Searcher:
         self.steps_run = 0
         self.elapsed_s = 0.0
         self.budget_hit = False
+        self.cut_short: str | None = None  # what the budget left unmeasured in the search, when it did
         self.planned_trials = 0
         self.block_steps = self.opt.block_steps  # of the final decision (plan_decision may shrink it)
         self._trial_s, self._trial_steps = 0.0, 0  # summed over trials that report their own wall time
@@ -164,10 +165,11 @@ class Searcher:
         steps: int,
         raw: dict[Option, list[tuple[Trial, list[float]]]],
         reserve: int,
-    ) -> None:
+    ) -> int:
         """Measure ``options`` packed into trials of ``steps`` steps; the incumbent runs again (same steps)
         after every ``bracket_every`` trials and once at the end, so that each option is compared with the
-        incumbent at the same moment (:meth:`_relative`). ``raw``: option -> [(trial, per-step score)]."""
+        incumbent at the same moment (:meth:`_relative`). ``raw``: option -> [(trial, per-step score)].
+        Returns how many options the budget left untried."""
         o = self.opt
         queue = list(options)
         retry_alone: list[Option] = []
@@ -189,8 +191,10 @@ class Searcher:
                 since = 0
             return t
 
+        untried = 0
         while queue:
             if not self._can_afford(steps, reserve_steps=reserve + 2 * bracket_cost):
+                untried = len(queue)
                 break
             config, taken = self._pack(incumbent, queue)
             if not taken:
@@ -201,8 +205,9 @@ class Searcher:
                     retry_alone += list(taken.values())
                 continue
             record(t, list(taken.values()))
-        for opt in retry_alone:
+        for i, opt in enumerate(retry_alone):
             if not self._can_afford(steps, reserve_steps=reserve + 2 * bracket_cost):
+                untried += len(retry_alone) - i
                 break
             t = run(
                 apply(incumbent, opt, self.topo), {",".join(sorted(self._slots_of(opt))): f"{opt.gemm}: {opt.label}"}
@@ -211,6 +216,7 @@ class Searcher:
                 record(t, [opt])
         if since:
             self._run("bracket", incumbent, {"*": "incumbent"}, steps)
+        return untried
 
     def _incumbent_trials(self, incumbent: TuningConfig) -> list[Trial]:
         return [t for t in self.trials if t.config == incumbent and t.phase in ("baseline", "bracket") and not t.error]
@@ -270,7 +276,7 @@ class Searcher:
             raise TrialFailed(f"the reference config could not be measured ({first.error})")
         decision_cost = self.plan_decision(len(contenders) + 1)
         raw: dict[Option, list[tuple[Trial, list[float]]]] = {}
-        self._measure_options("screen", incumbent, options, o.screen_steps, raw, decision_cost)
+        unscreened = self._measure_options("screen", incumbent, options, o.screen_steps, raw, decision_cost)
         samples = {opt: self._relative(incumbent, opt, e) for opt, e in raw.items()}
 
         # 2. successive halving: the best `keep` per GEMM (by screening) that look faster than the
@@ -284,7 +290,19 @@ class Searcher:
             )
             survivors += [opt for opt in ranked[: o.keep] if statistics.median(samples[opt]) < 0]
         raw_fresh: dict[Option, list[tuple[Trial, list[float]]]] = {}
-        self._measure_options("halving", incumbent, survivors, o.halving_steps, raw_fresh, decision_cost)
+        unhalved = self._measure_options("halving", incumbent, survivors, o.halving_steps, raw_fresh, decision_cost)
+        if unscreened or unhalved:
+            per_trial = self._trial_s / max(1, len(self.trials))
+            self.cut_short = (
+                f"the budget ran out during the search: {len(options) - unscreened} of {len(options)} options "
+                f"screened, {len(survivors) - unhalved} of {len(survivors)} re-measured"
+                + (
+                    f" (at {per_trial:.2f} s per trial the whole search needs about "
+                    f"{self.planned_trials * per_trial:.0f} s: raise the time budget, or shorten the trial steps)"
+                    if per_trial > 0
+                    else ""
+                )
+            )
         fresh = {opt: v for opt, e in raw_fresh.items() if (v := self._relative(incumbent, opt, e))}
 
         # 3. per GEMM: the best survivor, kept if it beats the incumbent (at the same moment) beyond the noise.
@@ -438,6 +456,8 @@ class Searcher:
             break
         if rejected:
             reason += "; " + "; ".join(rejected)
+        if self.cut_short:
+            reason += "; " + self.cut_short
         noise = decision["slot_interval"].half_width if decision else 0.0
         if decision:
             decision = {
@@ -459,6 +479,7 @@ class Searcher:
             budget_hit=self.budget_hit,
             decision=decision,
             undecided=undecided,
+            cut_short=self.cut_short,
         )
 
     def _track(

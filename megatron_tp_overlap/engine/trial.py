@@ -132,3 +132,4 @@ class SearchResult:
     # the selected config when the decision ended with it ahead of the reference but not beyond the interval (the
     # budget's resolution): the run keeps the reference, and an in-run verification can settle it on real iterations
     undecided: TuningConfig | None = None
+    cut_short: str | None = None  # what the budget left unmeasured in the search (None: it ran to the end)

@@ -43,10 +43,33 @@ class Tuned:
     on_recipe: list[Callable[[Recipe], Any]] = field(default_factory=list)  # told when the recipe changes (every rank)
 
 
-class MegatronSteps:
-    """Trial steps and numerics fingerprints through Megatron's pipeline schedule, on read-ahead batches."""
+def trial_microbatches(run_microbatches: int, pipeline_size: int, model_chunks: int, asked: int = 0) -> int:
+    """Micro-batches per trial step: ``asked`` (at most the run's), else the fewest Megatron's schedule takes: 1
+    without pipeline parallelism, a full pipeline with it, and the run's own count with an interleaved schedule (its
+    micro-batch groups must fit)."""
+    if asked > 0:
+        return min(asked, run_microbatches)
+    if model_chunks > 1:
+        return run_microbatches
+    return min(run_microbatches, max(1, pipeline_size))
 
-    def __init__(self, model: list, forward_step_func: Callable, optimizer: Any, data_iterator: Any, run: RunShape):
+
+class MegatronSteps:
+    """Trial steps and numerics fingerprints through Megatron's pipeline schedule, on read-ahead batches.
+
+    A trial step runs ``microbatches`` micro-batches (:func:`trial_microbatches`; 0: the fewest the schedule takes),
+    the first ones of the run's first step (replayed to the main loop)."""
+
+    def __init__(
+        self,
+        model: list,
+        forward_step_func: Callable,
+        optimizer: Any,
+        data_iterator: Any,
+        run: RunShape,
+        microbatches: int = 0,
+    ):
+        from megatron.core import parallel_state
         from megatron.core.num_microbatches_calculator import get_num_microbatches
         from megatron.core.pipeline_parallel import get_forward_backward_func
         from megatron.core.rerun_state_machine import get_rerun_state_machine
@@ -59,7 +82,9 @@ class MegatronSteps:
         pairs = [attach_replay(it) for it in (data_iterator if self.is_list else [data_iterator])]
         self.replays = [r for _, r in pairs]
         self.main_iters = [p[0] for p in pairs]
-        self.n_mb = get_num_microbatches()
+        self.n_mb = trial_microbatches(
+            get_num_microbatches(), parallel_state.get_pipeline_model_parallel_world_size(), len(model), microbatches
+        )
         self.cached = [r.read_ahead(self.n_mb) if r is not None else None for r in self.replays]
         self.fb = get_forward_backward_func()
         self.rerun = get_rerun_state_machine()
@@ -156,7 +181,7 @@ def tune(
     )
     cache = TunedConfigCache(options.cache_dir)
     init = run.init_args()
-    steps = MegatronSteps(model, forward_step_func, optimizer, data_iterator, run)
+    steps = MegatronSteps(model, forward_step_func, optimizer, data_iterator, run, options.microbatches)
     if options.reuse:
 
         def check(config: TuningConfig) -> tuple[str | None, Any]:
