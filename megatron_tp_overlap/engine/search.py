@@ -32,6 +32,7 @@ from megatron_tp_overlap.engine.trial import (  # noqa: F401
     Trial,
     TrialFailed,
     Verify,
+    Work,
 )
 from megatron_tp_overlap.ub.rules import ValidationContext
 
@@ -67,6 +68,9 @@ class Searcher:
         self.planned_trials = 0
         self.block_steps = self.opt.block_steps  # of the final decision (plan_decision may shrink it)
         self._trial_s, self._trial_steps = 0.0, 0  # summed over trials that report their own wall time
+        self._spent: list[tuple[int, bool, float, float]] = []  # per trial: steps, switched, seconds, median step ms
+        self._live: TuningConfig | None = None  # the config of the last trial
+        self._outside: list[tuple[float, float]] = []  # per trial: (seconds on the agreed clock, its own wall time)
         self._slot_samples: dict[TuningConfig, dict[str, list[float]]] = {}  # config -> slot -> every sample
 
     def _verify(self, config: TuningConfig) -> str | None:
@@ -79,30 +83,50 @@ class Searcher:
         return self.verified[config]
 
     # -- budget ---------------------------------------------------------------------------------
-    def _can_afford(self, steps: int, reserve_steps: int = 0, reserve_s: float = 0.0) -> bool:
-        """Whether a trial of ``steps`` (+ warm-up) fits, keeping ``reserve_steps`` for later phases and the
-        cost of one more step for the final switch. Seconds per step are measured, switches included: the
-        budget is a hard cap on the trials."""
-        n = self.steps_run + steps + self.opt.warmup_steps + reserve_steps
-        per_step = self._per_step_s()
-        cost = per_step * (steps + self.opt.warmup_steps + reserve_steps + 1) + reserve_s
-        ok = n <= self.opt.max_steps and self.elapsed_s + cost <= self.opt.max_seconds
+    def _can_afford(self, steps: int, reserve: Work | None = None, continuing: bool = False) -> bool:
+        """Whether a trial of ``steps`` (+ a warm-up after a switch, unless ``continuing`` the config before) fits,
+        keeping ``reserve`` for later phases and one switch for the final config. Seconds are measured
+        (:meth:`_rates`): the budget is a hard cap on the trials."""
+        trial = Work(steps, 0, 1) if continuing else Work(steps + self.opt.warmup_steps, 1, 0)
+        need = trial + (reserve or Work()) + Work(0, 1, 0)
+        ok = self.steps_run + need.steps <= self.opt.max_steps and self.elapsed_s + self._seconds(need) <= (
+            self.opt.max_seconds
+        )
         if not ok:
             self.budget_hit = True
         return ok
 
-    def _per_step_s(self) -> float:
-        """Seconds per trial step, switches and warm-ups included, from the trials' own wall times (what ran
-        before the first trial, e.g. the numerics calibration, is not a per-step cost)."""
-        if self._trial_steps and self._trial_s > 0:
-            return self._trial_s / self._trial_steps
-        return self.elapsed_s / self.steps_run if self.steps_run else 0.0
+    def _seconds(self, w: Work) -> float:
+        step_s, switch_s, continuing_s = self._rates()
+        return w.steps * step_s + w.switches * switch_s + w.continuing * continuing_s
+
+    def _rates(self) -> tuple[float, float, float]:
+        """Seconds per step, per trial that switches config and per trial that continues one (beyond its steps),
+        from the agreed clock: a trial spends its steps at their measured time, and a switch (re-init, sync, the
+        idle GPU after it) plus the search's own work between trials. Priced at screening's seconds per step
+        instead (its 3-step trials each switch), the final decision (half of its trials continue a config) cost
+        twice its real time and the budget ended the search early on real H200 steps of 75 ms."""
+        timed = [(n, sw, sec, ms) for n, sw, sec, ms in self._spent if ms > 0 and sec > 0]
+        if not timed:
+            per_step = self.elapsed_s / self.steps_run if self.steps_run else 0.0
+            return per_step, 0.0, 0.0
+        step_s = statistics.median(ms for *_, ms in timed) / 1000
+        rest = {sw: [max(0.0, sec - n * step_s) for n, s_, sec, _ in timed if s_ == sw] for sw in (True, False)}
+        switch_s = statistics.mean(rest[True]) if rest[True] else 0.0
+        # a continuing trial, before any ran: the search's own work between trials, at most a switch trial's
+        outside = [max(0.0, sec - wall) for sec, wall in self._outside]
+        continuing_s = (
+            statistics.mean(rest[False]) if rest[False] else min(switch_s, statistics.fmean(outside or [0.0]))
+        )
+        return step_s, switch_s, continuing_s
 
     def _run(
         self, phase: str, config: TuningConfig, tested: dict[str, str], steps: int, warmup: int | None = None
     ) -> Trial:
         warmup = self.opt.warmup_steps if warmup is None else warmup
         t = Trial(len(self.trials), phase, config, tested, position=float(self.steps_run + warmup))
+        before, switched = self.elapsed_s, config != self._live
+        self._live = config
         try:
             m = self.evaluate(config, steps, warmup)
         except TrialFailed as e:
@@ -110,11 +134,18 @@ class Searcher:
             self.steps_run += steps + warmup
             if self.elapsed is not None:  # a failed trial spends the budget too (and a timed-out one, a lot of it)
                 self.elapsed_s = max(self.elapsed_s, self.elapsed())
+            self._live = None  # what is live after a failure is not known
         else:
             self.steps_run += m.steps_run
             self.elapsed_s = m.elapsed_s
             self._trial_s += m.wall_s
             self._trial_steps += m.steps_run if m.wall_s > 0 else 0
+            ms = statistics.median(m.step_ms) if m.step_ms else 0.0
+            # the first trial's clock also holds what ran before it (e.g. the numerics calibration): its own wall
+            first = not self._spent
+            self._spent.append((m.steps_run, switched, m.wall_s if first else m.elapsed_s - before, ms))
+            if m.wall_s > 0 and not first:
+                self._outside.append((m.elapsed_s - before, m.wall_s))
             t.slot_samples = {s: list(v) for s, v in m.slot_ms.items() if v and all(x == x for x in v)}
             t.slot_ms = {s: statistics.median(v) for s, v in m.slot_ms.items() if v}
             t.step_samples = list(m.step_ms)
@@ -164,7 +195,7 @@ class Searcher:
         options: list[Option],
         steps: int,
         raw: dict[Option, list[tuple[Trial, list[float]]]],
-        reserve: int,
+        reserve: Work,
     ) -> int:
         """Measure ``options`` packed into trials of ``steps`` steps; the incumbent runs again (same steps)
         after every ``bracket_every`` trials and once at the end, so that each option is compared with the
@@ -193,7 +224,7 @@ class Searcher:
 
         untried = 0
         while queue:
-            if not self._can_afford(steps, reserve_steps=reserve + 2 * bracket_cost):
+            if not self._can_afford(steps, reserve + Work(2 * bracket_cost, 2)):
                 untried = len(queue)
                 break
             config, taken = self._pack(incumbent, queue)
@@ -206,7 +237,7 @@ class Searcher:
                 continue
             record(t, list(taken.values()))
         for i, opt in enumerate(retry_alone):
-            if not self._can_afford(steps, reserve_steps=reserve + 2 * bracket_cost):
+            if not self._can_afford(steps, reserve + Work(2 * bracket_cost, 2)):
                 untried += len(retry_alone) - i
                 break
             t = run(
@@ -292,7 +323,7 @@ class Searcher:
         raw_fresh: dict[Option, list[tuple[Trial, list[float]]]] = {}
         unhalved = self._measure_options("halving", incumbent, survivors, o.halving_steps, raw_fresh, decision_cost)
         if unscreened or unhalved:
-            per_trial = self._trial_s / max(1, len(self.trials))
+            per_trial = statistics.fmean(sec for *_, sec, _ in self._spent) if self._spent else 0.0
             self.cut_short = (
                 f"the budget ran out during the search: {len(options) - unscreened} of {len(options)} options "
                 f"screened, {len(survivors) - unhalved} of {len(survivors)} re-measured"
@@ -394,7 +425,7 @@ class Searcher:
             if (i + 1) % o.bracket_every == 0 or i == len(others) - 1:
                 plan.append(ref)
         for c in plan:
-            if ref.samples and not self._can_afford(self.block_steps, reserve_steps=self._abba_cost(o.min_quads)):
+            if ref.samples and not self._can_afford(self.block_steps, o.quads_work(o.min_quads, self.block_steps)):
                 continue
             self._decision_trial(c, self.block_steps, "select")
         track = self._track([t for t in self.trials if t.phase == "select" and t.tested.get("*") == ref.name])
@@ -503,21 +534,22 @@ class Searcher:
 
         return at
 
-    def _abba_cost(self, quads: int) -> int:
-        return quads * (4 * self.block_steps + 2 * self.opt.warmup_steps)
-
-    def plan_decision(self, contenders: int) -> int:
-        """Steps to reserve for the final decision; call after the first trial (the cost of a step is known).
-        Blocks shrink from ``block_steps`` towards 1 step until the decision needs at most half the budget."""
+    def plan_decision(self, contenders: int) -> Work:
+        """What to reserve for the final decision; call after the first trial (the cost of a step and of a switch
+        is known). Blocks shrink from ``block_steps`` towards 1 step until the decision needs at most half of what
+        is left of the budget."""
         o = self.opt
-        per_step = self._per_step_s()
-        budget = (
-            min(o.max_steps, self.steps_run + (o.max_seconds - self.elapsed_s) / per_step) if per_step else o.max_steps
-        )
+
+        def too_long(b: int) -> bool:
+            w = o.decision_work(contenders, b)
+            return (
+                w.steps > (o.max_steps - self.steps_run) / 2 or self._seconds(w) > (o.max_seconds - self.elapsed_s) / 2
+            )
+
         self.block_steps = o.block_steps
-        while self.block_steps > 1 and o.decision_steps(contenders, self.block_steps) > budget / 2:
+        while self.block_steps > 1 and too_long(self.block_steps):
             self.block_steps -= 1
-        return o.decision_steps(contenders, self.block_steps)
+        return o.decision_work(contenders, self.block_steps)
 
     def _decision_trial(self, c: Contender, steps: int, phase: str) -> Trial:
         t = self._run(phase, c.config, {"*": c.name}, steps)
@@ -551,7 +583,8 @@ class Searcher:
         step_blocks: list[float] = []
         quads, error = 0, None
         slot_iv = step_iv = paired.gain_interval([], o.level)
-        while quads < o.max_quads and error is None and self._can_afford(self._abba_cost(1) - o.warmup_steps):
+        rest_of_quad = Work(3 * bs + o.warmup_steps, 1, 2)  # after its first block
+        while quads < o.max_quads and error is None and self._can_afford(bs, rest_of_quad):
             for which in paired.QUAD:
                 c = cand if which == paired.B else ref
                 continuing = bool(order) and order[-1] == which

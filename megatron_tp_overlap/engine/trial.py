@@ -32,6 +32,19 @@ Verify = Callable[[TuningConfig], "str | None"]  # None when the config computes
 
 
 @dataclass(frozen=True)
+class Work:
+    """What the budget is spent on: steps (warm-ups included), trials that switch config and trials that continue
+    the config of the trial before (no switch, but a device sync and the search's own work)."""
+
+    steps: int = 0
+    switches: int = 0
+    continuing: int = 0
+
+    def __add__(self, other: Work) -> Work:
+        return Work(self.steps + other.steps, self.switches + other.switches, self.continuing + other.continuing)
+
+
+@dataclass(frozen=True)
 class SearchOptions:
     strategy: str = TuneOptions.strategy  # one of STRATEGIES
     max_steps: int = TuneOptions.steps  # trial steps in all, warmups and confirmation included
@@ -70,12 +83,17 @@ class SearchOptions:
         if not 0.5 <= self.level < 1:
             raise ValueError(f"level = {self.level}: must be in [0.5, 1)")
 
-    def decision_steps(self, contenders: int, block_steps: int | None = None) -> int:
-        """Steps the final decision needs at least: a selection round over ``contenders`` (the reference
-        bracketing them) and ``min_quads`` ABBA quadruples (2 switches each), with blocks of ``block_steps``."""
+    def decision_work(self, contenders: int, block_steps: int | None = None) -> Work:
+        """What the final decision needs at least: a selection round over ``contenders`` (the reference bracketing
+        them; a switch per trial) and ``min_quads`` ABBA quadruples of ``block_steps``-step blocks (per quadruple
+        two blocks after a switch, two continuing their config)."""
         b = block_steps or self.block_steps
-        select = (contenders + 1 + math.ceil(contenders / self.bracket_every)) * (b + self.warmup_steps)
-        return select + self.min_quads * (4 * b + 2 * self.warmup_steps)
+        trials = contenders + 1 + math.ceil(contenders / self.bracket_every)
+        select = Work(trials * (b + self.warmup_steps), trials, 0)
+        return select + self.quads_work(self.min_quads, b)
+
+    def quads_work(self, quads: int, block_steps: int) -> Work:
+        return Work(quads * (4 * block_steps + 2 * self.warmup_steps), 2 * quads, 2 * quads)
 
 
 @dataclass
