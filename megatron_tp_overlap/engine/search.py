@@ -67,7 +67,6 @@ class Searcher:
         self.cut_short: str | None = None  # what the budget left unmeasured in the search, when it did
         self.planned_trials = 0
         self.block_steps = self.opt.block_steps  # of the final decision (plan_decision may shrink it)
-        self._trial_s, self._trial_steps = 0.0, 0  # summed over trials that report their own wall time
         self._spent: list[tuple[int, bool, float, float]] = []  # per trial: steps, switched, seconds, median step ms
         self._live: TuningConfig | None = None  # the config of the last trial
         self._outside: list[tuple[float, float]] = []  # per trial: (seconds on the agreed clock, its own wall time)
@@ -83,12 +82,11 @@ class Searcher:
         return self.verified[config]
 
     # -- budget ---------------------------------------------------------------------------------
-    def _can_afford(self, steps: int, reserve: Work | None = None, continuing: bool = False) -> bool:
-        """Whether a trial of ``steps`` (+ a warm-up after a switch, unless ``continuing`` the config before) fits,
-        keeping ``reserve`` for later phases and one switch for the final config. Seconds are measured
-        (:meth:`_rates`): the budget is a hard cap on the trials."""
-        trial = Work(steps, 0, 1) if continuing else Work(steps + self.opt.warmup_steps, 1, 0)
-        need = trial + (reserve or Work()) + Work(0, 1, 0)
+    def _can_afford(self, steps: int, reserve: Work | None = None) -> bool:
+        """Whether a trial of ``steps`` (+ warm-up, after a switch) fits, keeping ``reserve`` for later phases and
+        one switch for the final config. Seconds are measured (:meth:`_rates`): the budget is a hard cap on the
+        trials."""
+        need = Work(steps + self.opt.warmup_steps, 1) + (reserve or Work()) + Work(0, 1)
         ok = self.steps_run + need.steps <= self.opt.max_steps and self.elapsed_s + self._seconds(need) <= (
             self.opt.max_seconds
         )
@@ -138,8 +136,6 @@ class Searcher:
         else:
             self.steps_run += m.steps_run
             self.elapsed_s = m.elapsed_s
-            self._trial_s += m.wall_s
-            self._trial_steps += m.steps_run if m.wall_s > 0 else 0
             ms = statistics.median(m.step_ms) if m.step_ms else 0.0
             # the first trial's clock also holds what ran before it (e.g. the numerics calibration): its own wall
             first = not self._spent
