@@ -23,6 +23,17 @@ from pathlib import Path
 from megatron_tp_overlap.engine.options import TuneOptions
 
 MODEL = {"layers": 4, "hidden": 4096, "ffn": 14336, "heads": 32, "kv_groups": 8, "global_batch": 4}  # the defaults
+FP8_ARGS = ["--fp8-format", "hybrid"]  # what --fp8 adds to Megatron's flags
+
+
+def add_trial_microbatches(p: argparse.ArgumentParser) -> None:
+    """``--trial-microbatches`` of the one-GPU benchmarks that run the tuner's own trial steps."""
+    p.add_argument(
+        "--trial-microbatches",
+        type=int,
+        default=0,
+        help="micro-batches per trial step (the tuner's option; 0: its default, the fewest: 1 here)",
+    )
 
 
 def one_gpu_args(seq: int, iters: int, **shape: int) -> list[str]:
@@ -190,7 +201,7 @@ def main() -> None:
             *a.extra.split(),
         ]
         if a.fp8:
-            cmd += ["--fp8-format", "hybrid"]
+            cmd += FP8_ARGS
         env = {**os.environ, "MEGATRON_TP_OVERLAP_CHECK_STATE": "1"}
         if a.deterministic:  # Megatron's --deterministic-mode refuses --tp-comm-overlap: the same settings by env
             env["MEGATRON_TP_OVERLAP_DETERMINISTIC"] = "1"

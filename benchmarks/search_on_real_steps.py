@@ -334,6 +334,8 @@ def table(result: dict) -> str:
 
 
 def main() -> None:
+    from megatron_autotune import add_trial_microbatches
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--script", help="Megatron-LM's pretrain_gpt.py (core_v0.19.0)")
     p.add_argument("--runs", type=int, default=40, help="searches at most (seeds alternate: gain, equal)")
@@ -355,22 +357,17 @@ def main() -> None:
     )
     p.add_argument("--fp8", action="store_true", help="FP8 GEMMs (--fp8-format hybrid)")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
-    p.add_argument(
-        "--trial-microbatches",
-        type=int,
-        default=0,
-        help="micro-batches per trial step (the tuner's option; 0: its default, the fewest: 1 here)",
-    )
+    add_trial_microbatches(p)
     p.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     a, rest = p.parse_known_args()
     out = Path(a.out)
     if a.inner:
         inner(out, a.runs, a.minutes, a.idle_s, a.first_seed, tuple(a.gain_pct), rest, a.trial_microbatches)
         return
-    from megatron_autotune import one_gpu_args
+    from megatron_autotune import FP8_ARGS, one_gpu_args
 
     shape = {k: int(v) for k, v in (kv.split("=", 1) for kv in a.shape.split(",") if kv)}
-    args = one_gpu_args(a.seq, 10, **shape) + (["--fp8-format", "hybrid"] if a.fp8 else [])
+    args = one_gpu_args(a.seq, 10, **shape) + (FP8_ARGS if a.fp8 else [])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", __file__, "--inner", "--out", str(out)]
     cmd += ["--trial-microbatches", str(a.trial_microbatches)]
     cmd += ["--runs", str(a.runs), "--minutes", str(a.minutes), "--idle-s", str(a.idle_s)]

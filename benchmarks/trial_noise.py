@@ -250,21 +250,18 @@ def inner(
 
 
 def main() -> None:
+    from megatron_autotune import add_trial_microbatches
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--script", help="Megatron-LM's pretrain_gpt.py (core_v0.19.0)")
     p.add_argument("--trials", type=int, default=40)
     p.add_argument("--idle-s", type=float, default=0.2, help="host seconds per simulated switch (a re-init: ~0.2)")
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--abba-repeats", type=int, default=0, help="ABBA decisions per kind (A/A, A/B) to calibrate")
-    p.add_argument("--delay-pct", type=float, default=0.5, help="the A/B candidate's extra GPU time, % of a step")
+    p.add_argument("--delay-pct", type=float, default=0.5, help="the A/B candidate's extra GPU time, %% of a step")
     p.add_argument("--block-steps", type=int, default=3, help="steps per ABBA block (the search's default: 3)")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
-    p.add_argument(
-        "--trial-microbatches",
-        type=int,
-        default=0,
-        help="micro-batches per trial step (the tuner's option; 0: its default, the fewest: 1 here)",
-    )
+    add_trial_microbatches(p)
     p.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     a, rest = p.parse_known_args()
     out = Path(a.out)

@@ -233,7 +233,7 @@ def main() -> None:
     p.add_argument("--script", help="Megatron-LM's pretrain_gpt.py (core_v0.19.0)")
     p.add_argument("--kinds", default="A/B,A/A,A/B,A/A", help="the verifications, in order: A/A or A/B")
     p.add_argument("--verify-iters", type=int, default=TuneOptions.verify_iters, help="most measured iterations each")
-    p.add_argument("--gain-pct", type=float, default=1.0, help="the A/B reference's extra GPU time, % of an iteration")
+    p.add_argument("--gain-pct", type=float, default=1.0, help="the A/B reference's extra GPU time, %% of an iteration")
     p.add_argument("--idle-s", type=float, default=0.2, help="host seconds per simulated switch (a re-init: ~0.2)")
     p.add_argument("--warm", type=int, default=20)
     p.add_argument("--seq", type=int, default=4096)

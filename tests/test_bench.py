@@ -1,5 +1,7 @@
 """bench: arguments, shape checks, metrics arithmetic, report and plot (the kernels run on GPUs)."""
 
+from pathlib import Path
+
 import pytest
 
 from megatron_tp_overlap.tools.bench import (
@@ -112,3 +114,16 @@ def test_correctness_is_judged_per_dtype():
     assert wrong.correct("float16") is False and Row("flux", "", None, None, None, None).correct("float16") is None
     text = render([good, wrong], "RS", "float16")
     assert "correct (tol 0.01)" in text and "| yes |" in text and "| **NO** |" in text
+
+
+@pytest.mark.parametrize(
+    "script", sorted(p.name for p in (Path(__file__).resolve().parents[1] / "benchmarks").glob("*.py"))
+)
+def test_every_benchmark_prints_its_help(script):
+    """argparse formats help with %: a bare % in a help text crashed --help of two benchmarks."""
+    import subprocess
+    import sys
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / script
+    r = subprocess.run([sys.executable, str(path), "--help"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "usage" in r.stdout, r.stderr[-2000:]

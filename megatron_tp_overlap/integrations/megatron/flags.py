@@ -15,6 +15,7 @@ from megatron_tp_overlap.engine.options import PREFIX, TUNED_YAML_NAME, TuneOpti
 from megatron_tp_overlap.errors import ConfigError
 from megatron_tp_overlap.integrations.megatron.run_shape import RunShape
 from megatron_tp_overlap.ub.config import UbConfig
+from megatron_tp_overlap.ub.layer_cfg import LayerCfgClasses, to_layer_cfg
 
 FLAG = "--" + PREFIX.replace("_", "-")
 
@@ -232,8 +233,6 @@ def recipe(ub: UbConfig, disabled: frozenset[str], active: frozenset[str], yaml_
 
 
 def _layer_cfg_problem(ub: UbConfig, tp: int) -> Optional[str]:
-    from megatron_tp_overlap.ub.layer_cfg import LayerCfgClasses, to_layer_cfg
-
     try:
         to_layer_cfg(ub, tp, LayerCfgClasses())  # the mirror classes: same fields as NeMo's
     except ConfigError as e:
