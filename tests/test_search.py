@@ -128,14 +128,15 @@ class Clocked:
     """decision_sim's steps on a clock like real H200 trials (FP8, one micro-batch per trial step): 75 ms per step,
     0.5 s per switch inside the trial's wall time, 0.2 s of the search's own work between trials."""
 
-    def __init__(self, run, step_s=0.075, switch_s=0.5, outside_s=0.2):
+    def __init__(self, run, step_s=0.075, switch_s=0.5, outside_s=0.2, first_s=0.0):
         self.run, self.step_s, self.switch_s, self.outside_s = run, step_s, switch_s, outside_s
-        self.t, self.live = 0.0, None
+        self.t, self.live, self.first_s = 0.0, None, first_s
 
     def __call__(self, config, steps, warmup):
         m = self.run(config, steps, warmup)
         self.t += self.outside_s
-        wall = (steps + warmup) * self.step_s + self.switch_s * (config != self.live)
+        wall = (steps + warmup) * self.step_s + self.switch_s * (config != self.live) + self.first_s
+        self.first_s = 0.0  # one-off costs of the first trial
         self.t, self.live = self.t + wall, config
         scale = 1000 * self.step_s / sim.STEP_MS  # GPU ms per step as the clock has them
         return Measurement(m.slot_ms, [v * scale for v in m.step_ms], self.t, m.steps_run, wall_s=wall)
@@ -159,6 +160,25 @@ def test_the_budget_prices_steps_and_switches_apart_so_that_short_trial_steps_ho
         ref, {"no overlap": all_off(sim.TOPO, ref)}
     )
     assert res.elapsed_s <= 25 and res.budget_hit  # a hard cap all the same
+
+
+def test_the_first_trials_one_off_costs_do_not_price_every_switch():
+    """On 2 H200s in Megatron the first trial (switch, warm-up, 4 steps of ~40 ms) took 5.7 s and later switches
+    0.6 s: priced at the first trial's overhead, the decision's reserve took the whole 60 s budget and the search
+    ended after that one trial, "0 of 76 options screened". A switch is priced by the switches after the first."""
+    space = build_space(sim.TOPO, sim.CTX, [UbConfig()])
+    ref = TuningConfig(UbConfig(), frozenset(), "reference")
+    for seed in range(3):
+        world = sim.make_world(space, 0.03, random.Random(seed))
+        run = Clocked(sim.SimulatedRun(world, "iid", random.Random(seed), 400), step_s=0.04, switch_s=0.6, first_s=5)
+        res = Searcher(sim.TOPO, space, run, sim.CTX, SearchOptions()).run(ref, {"no overlap": all_off(sim.TOPO, ref)})
+        assert res.cut_short is None and res.elapsed_s <= 60, (seed, res.reason)
+        assert world.step_ms(res.best) < world.step_ms(ref), (seed, res.reason)
+    short = Clocked(sim.SimulatedRun(world, "iid", random.Random(0), 400), step_s=0.04, switch_s=0.6, first_s=5)
+    res = Searcher(sim.TOPO, space, short, sim.CTX, SearchOptions(max_seconds=20)).run(
+        ref, {"no overlap": all_off(sim.TOPO, ref)}
+    )
+    assert res.elapsed_s <= 20 and res.budget_hit and any(t.phase == "select" for t in res.trials)
 
 
 def test_gain_within_noise_is_rejected():

@@ -9,7 +9,7 @@ import itertools
 import math
 import statistics
 
-from megatron_tp_overlap.engine.search import Searcher, SearchOptions, SearchResult, Work
+from megatron_tp_overlap.engine.search import Searcher, SearchOptions, SearchResult
 from megatron_tp_overlap.engine.space import Option, TuningConfig, apply, is_valid
 
 # The slot-exhaustive search that the tuner is held against (layer benchmark, decision simulator): 3 measured steps
@@ -54,10 +54,9 @@ def slot_exhaustive(searcher: Searcher, reference: TuningConfig, baselines: dict
     )
     contenders = {"reference": reference, **baselines}
     searcher._run("baseline", reference, {"*": "incumbent"}, o.screen_steps * 2)
-    confirm_cost = searcher.plan_decision(len(contenders) + 1)
     scores: dict[tuple[str, tuple[Option, ...]], list[float]] = {}
     for r in range(max((len(v) for v in combos.values()), default=0)):
-        if not searcher._can_afford(o.screen_steps, confirm_cost):
+        if not searcher._can_afford(o.screen_steps, searcher._decision_reserve(len(contenders) + 1)):
             break
         config, tested = reference, {}
         for slot, found in combos.items():
@@ -115,11 +114,8 @@ def exhaustive(searcher: Searcher, reference: TuningConfig, baselines: dict[str,
         )
     searcher.planned_trials = len(configs)
     best, best_t = reference, math.inf
-    reserve = Work()
     for i, c in enumerate(configs):
-        if i == 1:
-            reserve = searcher.plan_decision(len(baselines) + 2)
-        if not searcher._can_afford(o.screen_steps, reserve):
+        if not searcher._can_afford(o.screen_steps, searcher._decision_reserve(len(baselines) + 2)):
             break
         t = searcher._run("exhaustive", c, {"*": f"combination {i}"}, o.screen_steps)
         if t.step_ms is not None and t.step_ms < best_t:

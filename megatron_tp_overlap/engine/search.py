@@ -70,6 +70,7 @@ class Searcher:
         self._spent: list[tuple[int, bool, float, float]] = []  # per trial: steps, switched, seconds, median step ms
         self._live: TuningConfig | None = None  # the config of the last trial
         self._outside: list[tuple[float, float]] = []  # per trial: (seconds on the agreed clock, its own wall time)
+        self._reserve: Work | None = None  # for the final decision, once planned (_decision_reserve)
         self._slot_samples: dict[TuningConfig, dict[str, list[float]]] = {}  # config -> slot -> every sample
 
     def _verify(self, config: TuningConfig) -> str | None:
@@ -104,19 +105,37 @@ class Searcher:
         idle GPU after it) plus the search's own work between trials. Priced at screening's seconds per step
         instead (its 3-step trials each switch), the final decision (half of its trials continue a config) cost
         twice its real time and the budget ended the search early on real H200 steps of 75 ms."""
-        timed = [(n, sw, sec, ms) for n, sw, sec, ms in self._spent if ms > 0 and sec > 0]
-        if not timed:
+        timed = [(i, n, sw, sec, ms) for i, (n, sw, sec, ms) in enumerate(self._spent) if sec > 0]
+        if not any(ms > 0 for *_, ms in timed):
             per_step = self.elapsed_s / self.steps_run if self.steps_run else 0.0
             return per_step, 0.0, 0.0
-        step_s = statistics.median(ms for *_, ms in timed) / 1000
-        rest = {sw: [max(0.0, sec - n * step_s) for n, s_, sec, _ in timed if s_ == sw] for sw in (True, False)}
-        switch_s = statistics.mean(rest[True]) if rest[True] else 0.0
+        step_s = statistics.median(ms for *_, ms in timed if ms > 0) / 1000  # a failed trial (ms 0) has its seconds
+        rest = {
+            sw: [max(0.0, sec - n * step_s) for i, n, s_, sec, _ in timed if s_ == sw and i > 0] for sw in (True, False)
+        }
+        # the first trial's switch also holds one-off costs (on 2 H200s in Megatron: 5.7 s against 0.6 s later):
+        # it prices a switch only until another switch was measured (:meth:`_decision_reserve`)
+        first = [max(0.0, sec - n * step_s) for i, n, _, sec, _ in timed if i == 0]
+        switch_s = statistics.mean(rest[True] or first or [0.0])
         # a continuing trial, before any ran: the search's own work between trials, at most a switch trial's
         outside = [max(0.0, sec - wall) for sec, wall in self._outside]
         continuing_s = (
             statistics.mean(rest[False]) if rest[False] else min(switch_s, statistics.fmean(outside or [0.0]))
         )
         return step_s, switch_s, continuing_s
+
+    def _switch_priced(self) -> bool:
+        """Whether a switch after the first trial was measured (the first one's cost is no price for the rest)."""
+        return any(sw and sec > 0 for _, sw, sec, _ in self._spent[1:])
+
+    def _decision_reserve(self, contenders: int) -> Work:
+        """What the search keeps for the final decision: nothing until a switch after the first trial has a
+        measured price (the first screening trial runs to learn it), then :meth:`plan_decision`, planned once.
+        Planned from the first trial alone, a reserve priced at its one-off costs took the whole 60 s budget on
+        2 H200s in Megatron and the search screened nothing."""
+        if self._reserve is None and self._switch_priced():
+            self._reserve = self.plan_decision(contenders)
+        return self._reserve or Work()
 
     def _run(
         self, phase: str, config: TuningConfig, tested: dict[str, str], steps: int, warmup: int | None = None
@@ -132,6 +151,7 @@ class Searcher:
             self.steps_run += steps + warmup
             if self.elapsed is not None:  # a failed trial spends the budget too (and a timed-out one, a lot of it)
                 self.elapsed_s = max(self.elapsed_s, self.elapsed())
+                self._spent.append((steps + warmup, switched, self.elapsed_s - before, 0.0))
             self._live = None  # what is live after a failure is not known
         else:
             self.steps_run += m.steps_run
@@ -191,7 +211,7 @@ class Searcher:
         options: list[Option],
         steps: int,
         raw: dict[Option, list[tuple[Trial, list[float]]]],
-        reserve: Work,
+        reserve: Callable[[], Work],
     ) -> int:
         """Measure ``options`` packed into trials of ``steps`` steps; the incumbent runs again (same steps)
         after every ``bracket_every`` trials and once at the end, so that each option is compared with the
@@ -220,7 +240,7 @@ class Searcher:
 
         untried = 0
         while queue:
-            if not self._can_afford(steps, reserve + Work(2 * bracket_cost, 2)):
+            if not self._can_afford(steps, reserve() + Work(2 * bracket_cost, 2)):
                 untried = len(queue)
                 break
             config, taken = self._pack(incumbent, queue)
@@ -233,7 +253,7 @@ class Searcher:
                 continue
             record(t, list(taken.values()))
         for i, opt in enumerate(retry_alone):
-            if not self._can_afford(steps, reserve + Work(2 * bracket_cost, 2)):
+            if not self._can_afford(steps, reserve() + Work(2 * bracket_cost, 2)):
                 untried += len(retry_alone) - i
                 break
             t = run(
@@ -301,7 +321,10 @@ class Searcher:
                 break
         else:
             raise TrialFailed(f"the reference config could not be measured ({first.error})")
-        decision_cost = self.plan_decision(len(contenders) + 1)
+
+        def decision_cost() -> Work:
+            return self._decision_reserve(len(contenders) + 1)
+
         raw: dict[Option, list[tuple[Trial, list[float]]]] = {}
         unscreened = self._measure_options("screen", incumbent, options, o.screen_steps, raw, decision_cost)
         samples = {opt: self._relative(incumbent, opt, e) for opt, e in raw.items()}
@@ -319,7 +342,7 @@ class Searcher:
         raw_fresh: dict[Option, list[tuple[Trial, list[float]]]] = {}
         unhalved = self._measure_options("halving", incumbent, survivors, o.halving_steps, raw_fresh, decision_cost)
         if unscreened or unhalved:
-            per_trial = statistics.fmean(sec for *_, sec, _ in self._spent) if self._spent else 0.0
+            per_trial = statistics.fmean(sec for *_, sec, _ in self._spent[1:] or self._spent) if self._spent else 0.0
             self.cut_short = (
                 f"the budget ran out during the search: {len(options) - unscreened} of {len(options)} options "
                 f"screened, {len(survivors) - unhalved} of {len(survivors)} re-measured"
