@@ -532,7 +532,7 @@ def test_an_undecided_config_is_verified_in_the_run_and_written_only_when_the_ru
 
     def setup():
         out = tmp_path / "tuned.yaml"
-        tuned = mt.Tuned(ref, None, out, Recipe(str(out), [], [], {}), model=[])
+        tuned = mt.Tuned(ref, None, out, Recipe(str(out), [], [], {}))
         assert mt._write_yaml(out, ref, mt._key_meta(KEY), print)  # as tune() wrote it
         applied, puts, logs = [], [], []
         cache = SimpleNamespace(put=lambda *a: puts.append(a))
@@ -560,7 +560,7 @@ def test_an_undecided_config_is_verified_in_the_run_and_written_only_when_the_ru
 
     # a config the search decided for, sent back by the run: the YAML goes back to the starting config
     out = tmp_path / "decided.yaml"
-    tuned = mt.Tuned(cand, None, out, Recipe(str(out), [], [], {}), model=[])
+    tuned = mt.Tuned(cand, None, out, Recipe(str(out), [], [], {}))
     assert mt._write_yaml(out, cand, mt._key_meta(KEY), print)
     applied, puts = [], []
     cache = SimpleNamespace(put=lambda *a: puts.append(a))

@@ -67,3 +67,13 @@ def test_the_tuner_lands_within_1pct_of_the_slot_exhaustive_search_with_half_its
     for scenario, r in res.items():
         assert r["vs_exhaustive_beyond_1pct"] == 0, (scenario, r)
         assert r["steps_vs_exhaustive"] <= 0.51, (scenario, r)
+
+
+def test_an_interval_is_described_by_both_bounds_since_it_is_not_symmetric():
+    """2 H200s: the in-run verification printed "-9.792 ms/iter (+-9.809, 99% CI)" for a gain in [+0.149, +19.768]
+    and kept the config, which read as an interval holding zero. Both bounds are printed, as a change of time too."""
+    iv = paired.Interval(9.792, 0.149, 19.768, 19, 0.99)
+    assert iv.faster
+    s = iv.describe("ms/iter", ref=423.9, sign=-1)
+    assert s.startswith("-9.792 ms/iter (99% CI -19.768 to -0.149, n=19)") and "CI -4.66% to -0.04%" in s
+    assert paired.Interval(2.0, -1.0, 3.0, 6, 0.95).describe() == "+2.000 ms (95% CI -1.000 to +3.000, n=6)"

@@ -104,3 +104,42 @@ def test_nemo_recipe_says_when_its_dataclass_cannot_hold_the_config():
     r = recipe(ub, frozenset(), ALL, "t.yaml", tp=2)
     assert "proj_wgrad" in r.nemo_problem and r.to_dict()["nemo"]["problem"] == r.nemo_problem
     assert recipe(UbConfig(), frozenset(), ALL, "t.yaml", tp=2).nemo_problem is None
+
+
+def test_the_recipe_follows_the_flags_the_run_was_built_with_not_the_live_ones(fake_te, tmp_path, monkeypatch):
+    """A live config with a kind switched off clears that kind's module flags: a recipe read from the live modules
+    left out the flag (2 H200s: "bulk dgrad off" won, and the recipe's fresh run overlapped qkv/fc1 dgrad again).
+    tune() reads what the run overlaps once, as built, and every recipe (also the in-run verification's) uses it."""
+    from types import SimpleNamespace
+
+    import torch
+    from test_cache import KEY
+
+    from megatron_tp_overlap.engine import paired
+    from megatron_tp_overlap.engine.options import TuneOptions
+    from megatron_tp_overlap.engine.space import TuningConfig
+    from megatron_tp_overlap.engine.switcher import UbSwitcher
+    from megatron_tp_overlap.engine.topology import find_overlap_modules
+    from megatron_tp_overlap.engine.verify import Verdict
+    from megatron_tp_overlap.integrations.megatron import tuning as mt
+    from megatron_tp_overlap.integrations.megatron.flags import Recipe
+
+    model = fakes.fake_model(layers=1)
+    built = mt._active(model)
+    off = KIND_SWITCHES["bulk dgrad"].gemms & built
+    assert off
+    switcher = UbSwitcher(fakes.fake_init_args(), find_overlap_modules(model))
+    won = TuningConfig(UbConfig(), off, "autotuned, bulk dgrad off")
+    switcher.apply(won)
+    assert not mt._active(model) & off  # the live flags: what the recipe must not be read from
+
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda *a, **k: 0)
+    ref = TuningConfig(UbConfig(), frozenset(), "reference")
+    out = tmp_path / "tuned.yaml"
+    tuned = mt.Tuned(ref, None, out, mt._recipe(ref, built, out, 2), active=built)
+    assert mt._write_yaml(out, ref, mt._key_meta(KEY), print)
+    cache = SimpleNamespace(put=lambda *a: None)
+    v = mt._verification(tuned, ref.ub, switcher, TuneOptions(verify_iters=96), KEY, cache, print, None, won)
+    v.on_verdict(Verdict(won, paired.Interval(2.0, 1.0, 3.0, 12, 0.99), 200.0, 198.0, 120, "kept", reverted=False))
+    assert "--no-tp-comm-bulk-dgrad" in tuned.recipe.add and tuned.recipe.fields["tp_comm_bulk_dgrad"] is False
+    assert "--no-tp-comm-bulk-dgrad" in mt.recipe_path(out).read_text() and isinstance(tuned.recipe, Recipe)

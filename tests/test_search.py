@@ -509,3 +509,16 @@ def test_a_budget_too_small_to_compare_anything_says_so(max_steps):
     )
     assert res.best_name == "reference" and res.budget_hit
     assert "ran out before any candidate was measured" in res.reason and "raise the budget" in res.reason
+
+
+def test_each_trial_reports_its_seconds_the_first_one_its_own_wall_time():
+    """The report's trials say what each cost (on 2 H200s the first took 5.7 s, later ones ~1 s)."""
+    space = build_space(sim.TOPO, sim.CTX, [UbConfig()])
+    ref = TuningConfig(UbConfig(), frozenset(), "reference")
+    world = sim.make_world(space, 0.03, random.Random(0))
+    run = Clocked(sim.SimulatedRun(world, "iid", random.Random(0), 400), step_s=0.04, switch_s=0.6, first_s=5)
+    res = Searcher(sim.TOPO, space, run, sim.CTX, SearchOptions()).run(ref, {"no overlap": all_off(sim.TOPO, ref)})
+    first, later = res.trials[0], res.trials[1:]
+    steps = len(first.step_samples) + SearchOptions().warmup_steps
+    assert first.to_dict()["seconds"] == pytest.approx(5 + 0.6 + steps * 0.04, abs=1e-3)  # its own wall
+    assert all(0 < t.seconds < 2 for t in later) and sum(t.seconds for t in res.trials) <= res.elapsed_s + 1e-6

@@ -91,9 +91,16 @@ class Interval:
     def slower(self) -> bool:
         return self.high < 0
 
-    def describe(self, unit: str = "ms", ref: float | None = None) -> str:
-        pct = f" ({100 * self.estimate / ref:+.2f}% +- {100 * self.half_width / ref:.2f}%)" if ref else ""
-        return f"{self.estimate:+.3f} {unit} (+-{self.half_width:.3f}, {self.level:.0%} CI, n={self.n}){pct}"
+    def describe(self, unit: str = "ms", ref: float | None = None, sign: float = 1.0) -> str:
+        """The estimate and both bounds (the interval is not symmetric: on 2 H200s "+9.792 +- 9.809" was printed
+        for [+0.149, +19.768], which excludes zero). ``ref``: also in % of it; ``sign`` -1: as a change of time."""
+        lo, hi = sorted((sign * self.low, sign * self.high))
+        pct = (
+            f" ({100 * sign * self.estimate / ref:+.2f}%, CI {100 * lo / ref:+.2f}% to {100 * hi / ref:+.2f}%)"
+            if ref
+            else ""
+        )
+        return f"{sign * self.estimate:+.3f} {unit} ({self.level:.0%} CI {lo:+.3f} to {hi:+.3f}, n={self.n}){pct}"
 
     def to_dict(self) -> dict[str, float | int]:
         r = lambda v: round(v, 4) if math.isfinite(v) else None  # noqa: E731

@@ -152,6 +152,7 @@ class Searcher:
             if self.elapsed is not None:  # a failed trial spends the budget too (and a timed-out one, a lot of it)
                 self.elapsed_s = max(self.elapsed_s, self.elapsed())
                 self._spent.append((steps + warmup, switched, self.elapsed_s - before, 0.0))
+                t.seconds = self._spent[-1][2]
             self._live = None  # what is live after a failure is not known
         else:
             self.steps_run += m.steps_run
@@ -166,6 +167,7 @@ class Searcher:
             t.slot_ms = {s: statistics.median(v) for s, v in m.slot_ms.items() if v}
             t.step_samples = list(m.step_ms)
             t.step_ms = statistics.median(m.step_ms) if m.step_ms else None
+            t.seconds = self._spent[-1][2]
             self._slot_samples.setdefault(config, {})
             for s, v in m.slot_ms.items():
                 self._slot_samples[config].setdefault(s, []).extend(v)

@@ -108,6 +108,7 @@ class Trial:
     error: str | None = None
     position: float = 0.0  # steps since tuning began, at the first measured step (drift is a function of it)
     slot_samples: dict[str, list[float]] = field(default_factory=dict)  # slot -> ms per measured step
+    seconds: float = 0.0  # on the agreed clock: the trial's switch, warm-up and steps, and the search's work before it
 
     def to_dict(self) -> dict:
         return {
@@ -119,6 +120,7 @@ class Trial:
             "step_ms": None if self.step_ms is None else round(self.step_ms, 4),
             "step_samples_ms": [round(s, 4) for s in self.step_samples],
             "position": self.position,
+            "seconds": round(self.seconds, 3),
             "error": self.error,
         }
 

@@ -198,8 +198,7 @@ class InRunVerification:
         if not (last or iv.faster or iv.slower or futile):
             return None
         measured = (
-            f"tuned config: {-iv.estimate:+.3f} ms/iter (+-{iv.half_width:.3f}, {iv.level:.0%} CI; "
-            f"{-100 * iv.estimate / ref:+.2f}%) vs {self.reference_name}, measured in this run "
+            f"tuned config: {iv.describe('ms/iter', ref, sign=-1)} vs {self.reference_name}, measured in this run "
             f"({len(times)} iterations, ABBA in blocks of {b}"
             f"{'' if last else f', decided before the planned {len(self.order) * b}'}; {ref:.1f} vs {tun:.1f} ms median)"
         )

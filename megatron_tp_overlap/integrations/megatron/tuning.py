@@ -39,7 +39,7 @@ class Tuned:
     reused: bool = False
     notes: list[str] = field(default_factory=list)
     verification: Any = None  # engine.verify.InRunVerification the training loop drives; None: nothing to verify
-    model: Any = None  # the model chunks (for the recipe of a config the verification goes back to)
+    active: frozenset[str] = frozenset()  # the GEMMs the run overlaps as its flags built it (for every recipe)
     on_recipe: list[Callable[[Recipe], Any]] = field(default_factory=list)  # told when the recipe changes (every rank)
 
 
@@ -171,13 +171,17 @@ def tune(
     from megatron_tp_overlap.engine.tuner import rank0_print
 
     log = log or rank0_print
+    # as built, before any switch: a live config with a kind switched off also clears the modules' flags, and a
+    # recipe read from them then left out the flag that switches it off (2 H200s: "bulk dgrad off" won, and the
+    # recipe's fresh run overlapped qkv/fc1 dgrad again)
+    active = _active(model)
     key = run.key(
         torch.cuda.get_device_name(),
         transformer_engine.__version__,
         config_digest(reference),
         ("allow_off" if options.allow_off else "yaml_only")
         + "+kind_switches+no_overlap+overlapped:"
-        + ",".join(sorted(_active(model))),  # flags like --no-tp-comm-bulk-wgrad change what is overlapped
+        + ",".join(sorted(active)),  # flags like --no-tp-comm-bulk-wgrad change what is overlapped
     )
     cache = TunedConfigCache(options.cache_dir)
     init = run.init_args()
@@ -191,7 +195,7 @@ def tune(
         if found is not None:
             reused, switcher = found
             tuned = Tuned(
-                reused, steps.data_iterator, output, _recipe(reused, model, output, run.tp), reused=True, model=model
+                reused, steps.data_iterator, output, _recipe(reused, active, output, run.tp), reused=True, active=active
             )
             tuned.verification = _verification(tuned, reference, switcher, options, key, cache, log, remaining_iters)
             return tuned
@@ -205,7 +209,7 @@ def tune(
         output,
         Recipe(str(output), [], [], {}),
         result,
-        model=model,
+        active=active,
     )
     if result is None:
         tuned.notes.append("tuning failed: training with the starting config")
@@ -213,7 +217,7 @@ def tune(
         log(result.summary)
         if state_check is not None:
             result.report["state_check"] = _verdict(state_check, log)
-    tuned.recipe = _recipe(tuned.config, model, output, run.tp)  # the search kept to this run's dgrad mode
+    tuned.recipe = _recipe(tuned.config, active, output, run.tp)  # the search kept to this run's dgrad mode
     _write_outputs(tuned, key, cache, time.perf_counter() - t0, log)
     _tensorboard(result)
     undecided = result.search.undecided if result is not None else None
@@ -265,7 +269,7 @@ def _verification(
         changed = v.keep != tuned.config  # the YAML, recipe and cache hold tuned.config
         if changed:
             tuned.config = v.keep
-            tuned.recipe = _recipe(v.keep, tuned.model, tuned.yaml_path, tuned.recipe.tp)
+            tuned.recipe = _recipe(v.keep, tuned.active, tuned.yaml_path, tuned.recipe.tp)
             for listener in tuned.on_recipe:
                 listener(tuned.recipe)
         if torch.distributed.get_rank() != 0:
@@ -318,8 +322,8 @@ def _active(model: list) -> frozenset[str]:
         return frozenset()
 
 
-def _recipe(config: TuningConfig, model: list, output: Path, tp: int) -> Recipe:
-    return recipe(config.ub, config.disabled, _active(model), output, tp=tp)
+def _recipe(config: TuningConfig, active: frozenset[str], output: Path, tp: int) -> Recipe:
+    return recipe(config.ub, config.disabled, active, output, tp=tp)
 
 
 def recipe_path(yaml_path: Path) -> Path:
