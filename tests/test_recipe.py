@@ -122,7 +122,6 @@ def test_the_recipe_follows_the_flags_the_run_was_built_with_not_the_live_ones(f
     from megatron_tp_overlap.engine.topology import find_overlap_modules
     from megatron_tp_overlap.engine.verify import Verdict
     from megatron_tp_overlap.integrations.megatron import tuning as mt
-    from megatron_tp_overlap.integrations.megatron.flags import Recipe
 
     model = fakes.fake_model(layers=1)
     built = mt._active(model)
@@ -142,4 +141,4 @@ def test_the_recipe_follows_the_flags_the_run_was_built_with_not_the_live_ones(f
     v = mt._verification(tuned, ref.ub, switcher, TuneOptions(verify_iters=96), KEY, cache, print, None, won)
     v.on_verdict(Verdict(won, paired.Interval(2.0, 1.0, 3.0, 12, 0.99), 200.0, 198.0, 120, "kept", reverted=False))
     assert "--no-tp-comm-bulk-dgrad" in tuned.recipe.add and tuned.recipe.fields["tp_comm_bulk_dgrad"] is False
-    assert "--no-tp-comm-bulk-dgrad" in mt.recipe_path(out).read_text() and isinstance(tuned.recipe, Recipe)
+    assert "--no-tp-comm-bulk-dgrad" in mt.recipe_path(out).read_text()

@@ -108,7 +108,7 @@ class Trial:
     error: str | None = None
     position: float = 0.0  # steps since tuning began, at the first measured step (drift is a function of it)
     slot_samples: dict[str, list[float]] = field(default_factory=dict)  # slot -> ms per measured step
-    seconds: float = 0.0  # on the agreed clock: the trial's switch, warm-up and steps, and the search's work before it
+    seconds: float = 0.0  # agreed clock since the trial before (switch, warm-up, steps, search's work); first: own wall
 
     def to_dict(self) -> dict:
         return {

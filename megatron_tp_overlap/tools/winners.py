@@ -16,18 +16,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# GemmOverlapConfig fields that are knobs (beyond method / num_sm / num_splits / cga_size), the value that turns them
-# on, and their token in a label (ub.config.GemmOverlapConfig.describe)
-KNOBS: dict[str, tuple[Any, str]] = {
-    "set_sm_margin": (True, "margin"),
-    "aggregate": (True, "agg"),
-    "use_ce": (False, "no_ce"),
-    "pipeline_rs_overlap_first_gemm": (True, "pipeline_rs_overlap_first_gemm"),
-    "fp8_buf": (True, "fp8_buf"),
-    "atomic_gemm": (True, "atomic_gemm"),
+from megatron_tp_overlap.engine.space import Option
+from megatron_tp_overlap.integrations.megatron.flags import KIND_SWITCHES
+from megatron_tp_overlap.ub.config import GEMM_NAMES, GemmOverlapConfig
+
+# GemmOverlapConfig fields that are knobs (beyond method / num_sm / num_splits / cga_size) and the value that turns
+# them on; their token in an option label is the one GemmOverlapConfig.describe writes
+_KNOB_ON: dict[str, Any] = {
+    "set_sm_margin": True,
+    "aggregate": True,
+    "use_ce": False,
+    "pipeline_rs_overlap_first_gemm": True,
+    "fp8_buf": True,
+    "atomic_gemm": True,
 }
-KIND_SUFFIXES = ("AG overlap off", "RS overlap off", "bulk dgrad off", "bulk wgrad off")
-NO_OVERLAP = "no overlap"
+KNOBS: dict[str, tuple[Any, str]] = {
+    k: (on, GemmOverlapConfig(method="x", **{k: on}).describe().split()[1]) for k, on in _KNOB_ON.items()
+}
+KIND_SUFFIXES = tuple(f"{name} off" for name in KIND_SWITCHES)  # the final decision's "<best>, <kind> off"
+NO_OVERLAP = Option(GEMM_NAMES[0], enabled=False).label  # the whole-config contender, and a per-GEMM option
 PER_GEMM_OFF = "one GEMM off"  # the per-GEMM "no overlap" option (allow_off)
 CHOICES = (*(f"knob {k}" for k in KNOBS), *KIND_SUFFIXES, NO_OVERLAP, PER_GEMM_OFF)
 
