@@ -112,6 +112,20 @@ def model_args(a) -> list[str]:
     ]
 
 
+NCCL_EXIT = re.compile(
+    r"\[rank(\d+)\]:\[W\d{4} (\d\d):(\d\d):(\d\d\.\d+) ProcessGroupNCCL.*destroy_process_group\(\) was not called"
+)
+
+
+def exit_skew_s(log: str) -> float | None:
+    """Seconds between the first and the last rank's exit, from the warning each rank's process-group destructor
+    prints as the process ends (None: not every rank printed one)."""
+    at: dict[int, float] = {}
+    for rank, h, m, s in NCCL_EXIT.findall(log):
+        at.setdefault(int(rank), 3600 * int(h) + 60 * int(m) + float(s))
+    return round(max(at.values()) - min(at.values()), 2) if len(at) > 1 else None
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--script", required=True)
@@ -144,6 +158,11 @@ def main() -> None:
         "--extra",
         default="",
         help="more Megatron flags for every run, e.g. '--tp-comm-overlap-autotune-trial-timeout 10'",
+    )
+    p.add_argument(
+        "--exit-trace",
+        action="store_true",
+        help="run through benchmarks/exit_trace.py: each rank's way out of the run, timed, in the log",
     )
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     a = p.parse_args()
@@ -191,8 +210,7 @@ def main() -> None:
             "torch.distributed.run",
             f"--nproc-per-node={a.gpus}",
             f"--master-port={a.master_port}",
-            "-m",
-            "megatron_tp_overlap.run",
+            *([str(Path(__file__).with_name("exit_trace.py"))] if a.exit_trace else ["-m", "megatron_tp_overlap.run"]),
             "--iteration-log",
             str(loss_log),
             a.script,
@@ -222,10 +240,11 @@ def main() -> None:
             "iter_ms_median": round(statistics.median(steady), 2) if steady else None,
             "iter_ms_spread": round(max(steady) - min(steady), 2) if steady else None,
             "losses": [x.get("lm loss") for x in losses],
+            "exit_skew_s": exit_skew_s(log),
         }
         print(
             f"[{tag}] {run}: rc={proc.returncode} wall {wall:.0f}s iter median {results[run]['iter_ms_median']} ms "
-            f"losses {results[run]['losses'][:3]}",
+            f"losses {results[run]['losses'][:3]}; ranks' exits {results[run]['exit_skew_s']} s apart",
             flush=True,
         )
         if proc.returncode != 0:

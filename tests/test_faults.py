@@ -113,6 +113,10 @@ def _faulty_rank(rank, world, kind, init, out):
     tuner.step_fn = step
     res = tuner.tune()
     groups = [g for g in te.bootstrap_groups if g is not None]
+    own = list(tuner.switcher._bootstrap.values())
+    alive = lambda: sum(g in dist.distributed_c10d._world.pg_map for g in own)  # noqa: E731
+    own_alive = alive()
+    tuner.switcher.close()  # what the integrations do once no switch is to come
     with open(os.path.join(out, f"r{rank}.json"), "w") as f:
         json.dump(
             {
@@ -120,6 +124,7 @@ def _faulty_rank(rank, world, kind, init, out):
                 "errors": [t["error"] for t in res.report["trials"] if t["error"]],
                 "inits": len(groups),
                 "groups": len({id(g) for g in groups}),
+                "own_alive": [own_alive, alive()],
             },
             f,
         )
@@ -158,6 +163,8 @@ def test_a_failure_inside_initialize_ub_on_one_rank_fails_that_trial_on_every_ra
     )
     # TE's per-call bootstrap group is created once per failure-free stretch, not once per switch
     assert all(r["groups"] < r["inits"] for r in results)
+    # and the switcher's close() destroys the ones it kept (left to the exit, they delayed it on 2 H200s)
+    assert all(r["own_alive"] == [1, 0] for r in results), [r["own_alive"] for r in results]
 
 
 @pytest.mark.parametrize("world", [2, 4])

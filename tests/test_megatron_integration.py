@@ -485,10 +485,10 @@ def test_a_failed_tuning_trains_on_and_only_an_interrupt_ends_the_run(monkeypatc
     from megatron_tp_overlap.ub.config import UbConfig
 
     raised = {"trial": TrialFailed("every trial failed"), "topology": TopologyMismatch("ranks differ")}
-    applied, lines = [], []
+    applied, lines, closed = [], [], []
 
     class Tuner:
-        switcher = types.SimpleNamespace(apply=applied.append)
+        switcher = types.SimpleNamespace(apply=applied.append, close=lambda: closed.append(True))
 
         def tune(self):
             raise raised.get(failure) or KeyboardInterrupt()
@@ -507,6 +507,7 @@ def test_a_failed_tuning_trains_on_and_only_an_interrupt_ends_the_run(monkeypatc
     assert search() == (None, None)
     assert "training with the starting config" in lines[-1]
     assert [c.ub for c in applied] == ([UbConfig()] if failure == "trial" else [])
+    assert closed == ([True] if failure == "trial" else [])  # its bootstrap groups go with its last switch
 
 
 def test_an_undecided_config_is_verified_in_the_run_and_written_only_when_the_run_shows_the_gain(tmp_path, monkeypatch):
@@ -536,9 +537,8 @@ def test_an_undecided_config_is_verified_in_the_run_and_written_only_when_the_ru
         assert mt._write_yaml(out, ref, mt._key_meta(KEY), print)  # as tune() wrote it
         applied, puts, logs = [], [], []
         cache = SimpleNamespace(put=lambda *a: puts.append(a))
-        v = mt._verification(
-            tuned, ref.ub, SimpleNamespace(apply=applied.append), opts, KEY, cache, logs.append, None, cand
-        )
+        switcher = SimpleNamespace(apply=applied.append, close=lambda: applied.append("closed"))
+        v = mt._verification(tuned, ref.ub, switcher, opts, KEY, cache, logs.append, None, cand)
         return tuned, v, applied, puts, logs
 
     assert (
@@ -549,6 +549,7 @@ def test_an_undecided_config_is_verified_in_the_run_and_written_only_when_the_ru
     assert v.tuned == cand and v.reference == ref and applied == [cand]  # the undecided config runs first
     assert any("ahead of the starting config" in m for m in logs)
     v.on_verdict(Verdict(cand, iv, 200.0, 198.0, 120, "kept", reverted=False))
+    assert applied == [cand, "closed"]  # no switch after the verdict: the switcher's bootstrap groups go
     assert tuned.config == cand and load_yaml(tuned.yaml_path) == cand.ub and puts[0][1] == cand.ub
     assert "the in-run verification measured the gain" in puts[0][3]["tuned"]["chosen"]
     assert tuned.yaml_path.with_suffix(".recipe.txt").exists()
@@ -564,7 +565,8 @@ def test_an_undecided_config_is_verified_in_the_run_and_written_only_when_the_ru
     assert mt._write_yaml(out, cand, mt._key_meta(KEY), print)
     applied, puts = [], []
     cache = SimpleNamespace(put=lambda *a: puts.append(a))
-    v = mt._verification(tuned, ref.ub, SimpleNamespace(apply=applied.append), opts, KEY, cache, print, None, None)
+    switcher = SimpleNamespace(apply=applied.append, close=lambda: None)
+    v = mt._verification(tuned, ref.ub, switcher, opts, KEY, cache, print, None, None)
     assert v.tuned == cand and applied == []  # already live
     v.on_verdict(Verdict(ref, paired.Interval(0.1, -1.0, 1.2, 24, 0.95), 200.0, 200.0, 434, "back", reverted=True))
     assert tuned.config == ref and load_yaml(out) == ref.ub and "found no gain" in puts[0][3]["tuned"]["chosen"]

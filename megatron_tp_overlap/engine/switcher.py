@@ -244,13 +244,22 @@ class UbSwitcher:
     def abort_bootstrap(self) -> None:
         """Abort the bootstrap groups: a rank blocked in one of their collectives (its peer failed inside
         ``initialize_ub``) gets an error instead of waiting for ever; the next re-init creates new ones."""
+        self._drop_bootstrap(abort=True)
+
+    def close(self) -> None:
+        """Destroy the bootstrap groups once no switch is to come (every rank, at the same point): the live
+        communicators no longer use them, and a process group left to the interpreter's exit is torn down there,
+        late. A later switch creates new ones."""
+        self._drop_bootstrap(abort=False)
+
+    def _drop_bootstrap(self, abort: bool) -> None:
         import torch.distributed as dist
 
         groups, self._bootstrap = list(self._bootstrap.values()), {}
         for g in groups:
             for pg in g[1] if isinstance(g, tuple) else [g]:  # new_subgroups_by_enumeration: (mine, all)
-                with contextlib.suppress(Exception):
-                    if dist.get_backend(pg) == "nccl":
+                with contextlib.suppress(Exception):  # a group this rank is not a member of, or one already gone
+                    if abort and dist.get_backend(pg) == "nccl":
                         dist.distributed_c10d._abort_process_group(pg)
                     else:  # gloo: its connections close when nothing else holds it; bootstrap_timeout_s bounds the rest
                         dist.destroy_process_group(pg)

@@ -198,6 +198,8 @@ def tune(
                 reused, steps.data_iterator, output, _recipe(reused, active, output, run.tp), reused=True, active=active
             )
             tuned.verification = _verification(tuned, reference, switcher, options, key, cache, log, remaining_iters)
+            if tuned.verification is None:
+                switcher.close()
             return tuned
 
     state_check = _state_check(model, optimizer, steps) if check_state else None
@@ -224,6 +226,8 @@ def tune(
     tuned.verification = _verification(
         tuned, reference, switcher, options, key, cache, log, remaining_iters, undecided=undecided
     )
+    if tuned.verification is None and switcher is not None:
+        switcher.close()
     torch.distributed.barrier()
     return tuned
 
@@ -265,6 +269,7 @@ def _verification(
         log(f"{TAG} in-run verification shortened to {iters} measured iterations: the run has {remaining} left")
 
     def on_verdict(v: Any) -> None:
+        switcher.close()  # its last switch is done (every rank is here)
         tuned.notes.append(v.message)
         changed = v.keep != tuned.config  # the YAML, recipe and cache hold tuned.config
         if changed:
@@ -404,6 +409,7 @@ def _search(
     except TrialFailed as e:  # raised on every rank together: the run trains on with its own config
         log(f"{TAG} WARNING tuning failed ({e}); training with the starting config")
         tuner.switcher.apply(TuningConfig(reference, frozenset(), "reference"))
+        tuner.switcher.close()
         return None, None
     except BaseException as e:  # after the two above: a clause is chosen in order, and this one re-raises
         # Ctrl-C, or SIGTERM from torchrun / the scheduler (whose other handlers, e.g. a DataLoader's, may replace
@@ -496,6 +502,7 @@ def _reuse(
             f"{TAG} WARNING the cached config ({cache.root}) fails the numerics check in this run ({bad}): tuning again"
         )
         switcher.apply(TuningConfig(reference, frozenset(), "reference"))
+        switcher.close()  # tuning again makes a switcher of its own
         return None
     if torch.distributed.get_rank() == 0:
         _write_yaml(output, config, {"reused_from": str(cache.root), **found[0].meta.get("tuned", {})}, log)
