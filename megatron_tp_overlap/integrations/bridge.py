@@ -85,7 +85,7 @@ def tune_before_training(
         return train_data_iterator, None
     from megatron.bridge.training.utils.train_utils import prepare_forward_step_func
 
-    from megatron_tp_overlap.integrations.megatron.tuning import tune
+    from megatron_tp_overlap.integrations.megatron.tuning import hand_over, tune
 
     options = overlap.tune_options
     run = RunShape.from_transformer_config(
@@ -113,7 +113,7 @@ def tune_before_training(
     follow(getattr(tuned, "recipe", None))
     if hasattr(tuned, "on_recipe"):
         tuned.on_recipe.append(follow)  # the in-run verification may change the config (either way)
-    return tuned.data_iterator, getattr(tuned, "verification", None)
+    return hand_over(tuned), getattr(tuned, "verification", None)
 
 
 def _remaining_iters(state: Any) -> int | None:

@@ -150,7 +150,7 @@ class AutotuneCommOverlapCallback(MegatronCommOverlapCallback):
         """Tune on the live model; returns the iterator the step must use (same micro-batches, same order)."""
         from megatron.core.num_microbatches_calculator import get_micro_batch_size
 
-        from megatron_tp_overlap.integrations.megatron.tuning import tune
+        from megatron_tp_overlap.integrations.megatron.tuning import hand_over, tune
         from megatron_tp_overlap.ub.layer_cfg import reference_config
 
         mp = trainer.model  # MegatronParallel: the model chunks, NeMo's step functions
@@ -175,7 +175,7 @@ class AutotuneCommOverlapCallback(MegatronCommOverlapCallback):
         follow(getattr(self.tuned, "recipe", None))
         if hasattr(self.tuned, "on_recipe"):
             self.tuned.on_recipe.append(follow)  # the in-run verification may change the config (either way)
-        return self.tuned.data_iterator
+        return hand_over(self.tuned)
 
     def follow_recipe(self, mp: Any, tp: int) -> Any:
         """Keeps NeMo's configs saying what the recipe says: the model config (and its ``__io__`` copy, which a

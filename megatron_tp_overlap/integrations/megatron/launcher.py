@@ -28,7 +28,7 @@ from megatron_tp_overlap.integrations.megatron.flags import (
     reference_from_args,
 )
 from megatron_tp_overlap.integrations.megatron.run_shape import RunShape
-from megatron_tp_overlap.integrations.megatron.tuning import tune
+from megatron_tp_overlap.integrations.megatron.tuning import hand_over, tune
 
 CHECK_STATE_ENV = "MEGATRON_TP_OVERLAP_CHECK_STATE"  # 1: verify bitwise that tuning left the training state as it was
 
@@ -158,7 +158,7 @@ def _train_after_tuning(original_train: Callable) -> Callable:
                 check_state=os.environ.get(CHECK_STATE_ENV) == "1",
                 remaining_iters=args.train_iters - (getattr(args, "iteration", 0) or 0) if args.train_iters else None,
             )
-            train_data_iterator, verification = tuned.data_iterator, tuned.verification
+            train_data_iterator, verification = hand_over(tuned), tuned.verification
         with verifying(mtraining, "train_step", verification):
             return original_train(
                 forward_step_func, model, optimizer, opt_param_scheduler, train_data_iterator, *rest, **kw

@@ -20,7 +20,7 @@ from typing import Any, Optional
 from megatron_tp_overlap.engine.options import TuneOptions
 from megatron_tp_overlap.engine.space import TuningConfig
 from megatron_tp_overlap.integrations.megatron.flags import Recipe, recipe, switch_sets
-from megatron_tp_overlap.integrations.megatron.replay import attach_replay
+from megatron_tp_overlap.integrations.megatron.replay import ReadAhead
 from megatron_tp_overlap.integrations.megatron.run_shape import RunShape
 from megatron_tp_overlap.ub.config import UbConfig
 
@@ -41,6 +41,14 @@ class Tuned:
     verification: Any = None  # engine.verify.InRunVerification the training loop drives; None: nothing to verify
     active: frozenset[str] = frozenset()  # the GEMMs the run overlaps as its flags built it (for every recipe)
     on_recipe: list[Callable[[Recipe], Any]] = field(default_factory=list)  # told when the recipe changes (every rank)
+
+
+def hand_over(tuned: Any) -> Any:
+    """``tuned.data_iterator`` for the main loop; ``tuned`` forgets it. Tuning's objects outlive it in reference
+    cycles (the in-run verification's callback holds ``tuned``): an iterator reachable only from one is shut down by
+    the cyclic garbage collector, late and slowly (:class:`~integrations.megatron.replay.ReadAhead`)."""
+    it, tuned.data_iterator = tuned.data_iterator, None
+    return it
 
 
 def trial_microbatches(run_microbatches: int, pipeline_size: int, model_chunks: int, asked: int = 0) -> int:
@@ -78,29 +86,20 @@ class MegatronSteps:
         from megatron_tp_overlap.integrations.megatron.state import StateSnapshot
 
         self.model, self.forward_step_func, self.optimizer, self.run_shape = model, forward_step_func, optimizer, run
-        self.is_list = isinstance(data_iterator, list)
-        pairs = [attach_replay(it) for it in (data_iterator if self.is_list else [data_iterator])]
-        self.replays = [r for _, r in pairs]
-        self.main_iters = [p[0] for p in pairs]
         self.n_mb = trial_microbatches(
             get_num_microbatches(), parallel_state.get_pipeline_model_parallel_world_size(), len(model), microbatches
         )
-        self.cached = [r.read_ahead(self.n_mb) if r is not None else None for r in self.replays]
+        self.data = ReadAhead(data_iterator, self.n_mb)
         self.fb = get_forward_backward_func()
         self.rerun = get_rerun_state_machine()
         self.snapshot = StateSnapshot.take(model)
         self.fp = Fingerprint()
 
-    @property
-    def data_iterator(self) -> Any:
-        """The iterator(s) the main loop must use: the read-ahead batches come first."""
-        return self.main_iters if self.is_list else self.main_iters[0]
-
     def _data(self) -> Any:
         from megatron.core.rerun_state_machine import RerunDataIterator
 
-        its = [RerunDataIterator(iter(c)) if c is not None else None for c in self.cached]
-        return its if self.is_list else its[0]
+        its = [RerunDataIterator(iter(c)) if c is not None else None for c in self.data.batches]
+        return its if self.data.is_list else its[0]
 
     def zero(self) -> None:
         for chunk in self.model:
@@ -195,7 +194,12 @@ def tune(
         if found is not None:
             reused, switcher = found
             tuned = Tuned(
-                reused, steps.data_iterator, output, _recipe(reused, active, output, run.tp), reused=True, active=active
+                reused,
+                steps.data.release(),
+                output,
+                _recipe(reused, active, output, run.tp),
+                reused=True,
+                active=active,
             )
             tuned.verification = _verification(tuned, reference, switcher, options, key, cache, log, remaining_iters)
             if tuned.verification is None:
@@ -207,7 +211,7 @@ def tune(
     result, switcher = _search(model, steps, init, run, options, reference, trial_context, log)
     tuned = Tuned(
         result.best if result else TuningConfig(reference, frozenset(), "reference"),
-        steps.data_iterator,
+        steps.data.release(),
         output,
         Recipe(str(output), [], [], {}),
         result,
@@ -582,7 +586,7 @@ def _write_outputs(tuned: Tuned, key: Any, cache: Any, wall_s: float, log: Calla
 def _state_check(model: list, optimizer: Any, steps: MegatronSteps) -> Any:
     from megatron_tp_overlap.integrations.megatron.state import StateCheck
 
-    return StateCheck(model, optimizer, replays=steps.replays)
+    return StateCheck(model, optimizer, replays=steps.data.replays)
 
 
 def _verdict(check: Any, log: Callable[..., None]) -> dict[str, Any]:
