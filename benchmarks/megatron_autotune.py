@@ -225,7 +225,8 @@ def main() -> None:
             env["MEGATRON_TP_OVERLAP_DETERMINISTIC"] = "1"
         t0 = time.time()
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        wall = time.time() - t0
+        end = time.time()
+        wall = end - t0
         log = proc.stdout + proc.stderr
         (out / f"log_{tag}_{run}.txt").write_text("\n".join(x for x in log.splitlines() if not x.startswith("!!! [UB")))
         times = [float(x) for x in re.findall(r"elapsed time per iteration \(ms\): ([0-9.]+)", log)]
@@ -241,10 +242,14 @@ def main() -> None:
             "iter_ms_spread": round(max(steady) - min(steady), 2) if steady else None,
             "losses": [x.get("lm loss") for x in losses],
             "exit_skew_s": exit_skew_s(log),
+            # from the last training iteration's log line (any rank) to the end of torchrun: Megatron's own wrap-up,
+            # every rank's exit, the agent's
+            "exit_s_after_last_iteration": round(end - max(x["t"] for x in losses), 2) if losses else None,
         }
         print(
             f"[{tag}] {run}: rc={proc.returncode} wall {wall:.0f}s iter median {results[run]['iter_ms_median']} ms "
-            f"losses {results[run]['losses'][:3]}; ranks' exits {results[run]['exit_skew_s']} s apart",
+            f"losses {results[run]['losses'][:3]}; ranks' exits {results[run]['exit_skew_s']} s apart, torchrun ended "
+            f"{results[run]['exit_s_after_last_iteration']} s after the last iteration",
             flush=True,
         )
         if proc.returncode != 0:
