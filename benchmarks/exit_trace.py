@@ -62,22 +62,26 @@ def holders(obj: object, depth: int = 6, width: int = 4) -> list[str]:
             return f"module {o.__name__}"
         if isinstance(o, dict):
             return f"dict[{next((k for k, v in o.items() if v is held), '?')!r}]"
-        return type(o).__qualname__
+        return type(o).__name__
 
     chains: list[str] = []
     skip = {id(chains)}
 
     def walk(o: object, chain: list[str], d: int) -> None:
-        here = sys._getframe()
-        refs = [r for r in gc.get_referrers(o) if id(r) not in skip and r is not here and r is not here.f_back]
+        refs = [
+            r
+            for r in gc.get_referrers(o)
+            if id(r) not in skip and not (isinstance(r, types.FrameType) and r.f_code is walk.__code__)
+        ]
+        skip.add(id(refs))  # the walk's own lists and frames hold what it visits: never followed
         if d == 0 or not refs or isinstance(o, types.ModuleType):
             chains.append(" <- ".join(chain))
             return
-        for r in refs[:width]:
-            skip.add(id(r))
-            walk(r, [*chain, name(r, o)], d - 1)
+        for k in range(min(width, len(refs))):  # no slice: a new list would hold the referrers too
+            skip.add(id(refs[k]))
+            walk(refs[k], [*chain, name(refs[k], o)], d - 1)
 
-    walk(obj, [type(obj).__qualname__], depth)
+    walk(obj, [type(obj).__name__], depth)
     return chains[:16]
 
 

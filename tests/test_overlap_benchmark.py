@@ -126,14 +126,6 @@ def test_trial_noise_summary_groups_steps_by_position_since_the_switch():
     assert s["trials_steps_with_gc"] == [5, 0, 0] and s["steady_steps_with_gc"] == [0, 1, 0]
 
 
-def _load(name):
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
-    s = importlib.util.spec_from_file_location(name, path)
-    m = importlib.util.module_from_spec(s)
-    s.loader.exec_module(m)
-    return m
-
-
 def test_realized_gain_is_judged_against_the_exhaustive_gain_scaled_to_the_run(tmp_path, capsys):
     rv = _load("realized_vs_exhaustive")
     case = {
@@ -160,3 +152,32 @@ def test_realized_gain_is_judged_against_the_exhaustive_gain_scaled_to_the_run(t
     (tmp_path / "megatron_q.json").write_text(json.dumps(run))
     rv.main(["--layer", str(tmp_path / "layer.json"), "--run", f"{tmp_path / 'megatron_q.json'}=qwen14b_like"])
     assert "| megatron_q | qwen14b_like | 3.5 [1.0, 5.0] 99% | 4.0 | 88% | yes |" in capsys.readouterr().out
+
+
+def test_the_ranks_exits_are_read_from_each_ranks_process_group_warning():
+    ma = _load("megatron_autotune")
+    tail = "ProcessGroupNCCL.cpp:1575] Warning: WARNING: destroy_process_group() was not called before program exit"
+    log = "\n".join(
+        [
+            "[rank0]:[W1123 19:42:13.007917770 ProcessGroupNCCL.cpp:5188] Guessing device ID based on global rank.",
+            f"[rank1]:[W1123 19:45:01.689677666 {tail}",
+            f"[rank0]:[W1123 19:45:11.807250959 {tail}",
+        ]
+    )
+    assert ma.exit_skew_s(log) == 10.12
+    assert ma.exit_skew_s(log.rsplit("\n", 1)[0]) is None  # one rank's exit: nothing to compare
+
+
+def test_the_exit_trace_names_what_holds_an_object():
+    et = _load("exit_trace")
+
+    class Iterator:
+        pass
+
+    class Holder:
+        pass
+
+    it, h = Iterator(), Holder()
+    h.data = it
+    chains = et.holders(it, depth=2)
+    assert all(c.startswith("Iterator") for c in chains) and any("Holder" in c for c in chains), chains
