@@ -107,6 +107,9 @@ def threads() -> str:
 
 
 def main() -> None:
+    if sys.argv[1:2] in (["-h"], ["--help"]):
+        print("usage: " + __doc__.strip().split("\n\n")[1].strip() + "\n\n" + __doc__.strip().split("\n\n")[0])
+        return
     atexit.register(say, "last atexit handler done")  # registered first: runs last
     shutdown = threading._shutdown
 

@@ -111,12 +111,16 @@ def test_a_reused_config_is_numerics_checked_once_and_dropped_when_it_fails(tmp_
             def apply(self, c):
                 applied.append(c.label)
 
+            def close(self):
+                applied.append("closed")
+
         def check(verdict):
             return lambda c: (verdict, Switcher())
 
         out = tmp_path / "tuned.yaml"
         assert _reuse(cache, KEY, UbConfig(), out, logs.append, check("rel. error 1.3 > 0.02")) is None
-        assert applied == ["reference"] and not out.exists() and "fails the numerics check" in logs[-1]
+        # back to the reference, and the check's switcher is done (tuning again makes its own)
+        assert applied == ["reference", "closed"] and not out.exists() and "fails the numerics check" in logs[-1]
         config, _ = _reuse(cache, KEY, UbConfig(), out, logs.append, check(None))
         assert config == TuningConfig(preset, frozenset({"fc2_wgrad"})) and out.exists()
         assert "numerics checked in this run" in logs[-1]
