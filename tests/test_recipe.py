@@ -130,7 +130,9 @@ def test_the_recipe_follows_the_flags_the_run_was_built_with_not_the_live_ones(f
     switcher = UbSwitcher(fakes.fake_init_args(), find_overlap_modules(model))
     won = TuningConfig(UbConfig(), off, "autotuned, bulk dgrad off")
     switcher.apply(won)
-    assert not mt._active(model) & off  # the live flags: what the recipe must not be read from
+    live = {(m.path, k): getattr(m.module, k) for m in switcher.modules for k in m.built_flags}
+    assert live != {(m.path, k): v for m in switcher.modules for k, v in m.built_flags.items()}  # flags cleared
+    assert mt._active(model) == built  # a later discovery still reads the flags the run was built with
 
     monkeypatch.setattr(torch.distributed, "get_rank", lambda *a, **k: 0)
     ref = TuningConfig(UbConfig(), frozenset(), "reference")

@@ -339,3 +339,23 @@ def test_the_time_budget_is_a_hard_cap_numerics_checks_and_the_final_switch_incl
     res = tuner.tune()
     step_s = max(t.step_ms for t in res.search.trials if t.step_ms) / 1e3
     assert res.wall_s <= seconds + step_s, (res.wall_s, step_s)
+
+
+def test_a_second_tuning_of_the_same_model_sees_it_as_built_not_as_the_first_left_it(fake_te):
+    """A tuning leaves its chosen flags on the modules (a GEMM off, qkv dgrad flipped to reduce-scatter, which also
+    drops qkv wgrad's bulk overlap). A second tuner of the same model (a benchmark's repeat) once discovered those
+    flags: a smaller space and a reference that was not the starting config. It must see the model as built."""
+    from megatron_tp_overlap.engine.topology import find_overlap_modules
+
+    first, model = make_tuner()
+    built = {m.path: dict(m.built_flags) for m in first.modules}
+    flipped = UbConfig().with_entry("qkv_dgrad", GemmOverlapConfig(method="ring_exchange"))
+    first.switcher.apply(TuningConfig(flipped, frozenset({"fc1_dgrad"}), "left by a tuning"))
+    assert {m.path: {k: getattr(m.module, k) for k in m.built_flags} for m in first.modules} != built
+
+    again = find_overlap_modules(model)
+    assert {m.path: m.built_flags for m in again} == built
+    second = Autotuner(model, lambda: None, fakes.fake_init_args(), timing_device="cpu", log=lambda *a: None)
+    assert second.topology == first.topology and {"qkv_wgrad", "fc1_dgrad"} <= second.topology.active
+    second.switcher.apply(TuningConfig(UbConfig(), frozenset(), "reference"), force=True)
+    assert {m.path: {k: getattr(m.module, k) for k in m.built_flags} for m in second.modules} == built

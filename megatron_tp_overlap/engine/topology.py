@@ -19,6 +19,10 @@ from megatron_tp_overlap.ub.config import EXTERNAL_GEMMS, GEMM_NAMES, UbConfig
 COLUMN_FLAGS = ("ub_overlap_ag_fprop", "ub_overlap_rs_dgrad", "ub_bulk_dgrad", "ub_bulk_wgrad")
 ROW_FLAGS = ("ub_overlap_rs_fprop", "ub_overlap_ag_dgrad")
 MLP_FLAGS = ("ub_overlap_ag", "ub_overlap_rs", "ub_overlap_rs_dgrad", "ub_bulk_dgrad", "ub_bulk_wgrad")
+# The flags a module was built with, kept on the module at its first discovery: a tuning leaves the flags of the
+# config it chose (a GEMM switched off, dgrad flipped to reduce-scatter), and a later tuning of the same model (a
+# benchmark's repeat, a re-tune) must see the model as it was built, not a smaller space with another reference.
+BUILT_FLAGS_ATTR = "_tp_overlap_built_flags"
 
 
 def te_kind(module: torch.nn.Module) -> str | None:
@@ -146,7 +150,8 @@ class Topology:
 
 
 def find_overlap_modules(model: torch.nn.Module | Iterable[torch.nn.Module]) -> list[OverlapModule]:
-    """Every TE module in ``model`` (one module or several, e.g. Megatron's model chunks) that uses userbuffers."""
+    """Every TE module in ``model`` (one module or several, e.g. Megatron's model chunks) that uses userbuffers, with
+    the flags it was built with (those read at its first discovery, whatever a tuning has set since)."""
     roots = [model] if isinstance(model, torch.nn.Module) else list(model)
     found: list[OverlapModule] = []
     for i, root in enumerate(roots):
@@ -154,7 +159,11 @@ def find_overlap_modules(model: torch.nn.Module | Iterable[torch.nn.Module]) -> 
             kind = te_kind(m)
             if kind is None:
                 continue
-            flags = {k: bool(getattr(m, k)) for k in {"column": COLUMN_FLAGS, "row": ROW_FLAGS, "mlp": MLP_FLAGS}[kind]}
+            flags = getattr(m, BUILT_FLAGS_ATTR, None)
+            if flags is None:
+                names = {"column": COLUMN_FLAGS, "row": ROW_FLAGS, "mlp": MLP_FLAGS}[kind]
+                flags = {k: bool(getattr(m, k)) for k in names}
+                setattr(m, BUILT_FLAGS_ATTR, dict(flags))
             name = "mlp" if kind == "mlp" else str(m.ub_name)
             om = OverlapModule(m, kind, name, f"{i}.{path}" if len(roots) > 1 else path, flags)
             if om.active_gemms():
