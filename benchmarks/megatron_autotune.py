@@ -277,7 +277,7 @@ def main() -> None:
         results["tuning"] = {
             "decision": r["decision"],
             "wall_s": r["meta"]["wall_s"],
-            "switches": r["meta"]["switches"],
+            "switches": r["meta"].get("switches"),
             "summary": r["summary"],
             "state_check": r.get("state_check"),
             "numerics_guard": r["meta"].get("numerics_guard"),

@@ -511,8 +511,8 @@ def test_an_output_nothing_can_be_created_in_is_refused_also_for_root(tmp_path):
     assert output_problems(tmp_path / "t.yaml", "o") == [] and list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("failure", ["trial", "topology", "interrupt"])
-def test_a_failed_tuning_trains_on_and_only_an_interrupt_ends_the_run(monkeypatch, failure):
+@pytest.mark.parametrize("kind", ["trial", "topology", "interrupt"])
+def test_a_failed_tuning_trains_on_and_only_an_interrupt_ends_the_run(monkeypatch, kind):
     """``_search``: every trial failing or a topology mismatch falls back to the starting config (the run trains on);
     Ctrl-C still ends it. (The interrupt clause once came first and caught the failures too, ending the run.)"""
     import types
@@ -531,23 +531,25 @@ def test_a_failed_tuning_trains_on_and_only_an_interrupt_ends_the_run(monkeypatc
         switcher = types.SimpleNamespace(apply=applied.append, close=lambda: closed.append(True))
 
         def tune(self):
-            raise raised.get(failure) or KeyboardInterrupt()
+            raise raised.get(kind) or KeyboardInterrupt()
 
     monkeypatch.setattr(tuning, "_make_tuner", lambda *a, **k: Tuner())
     monkeypatch.setattr(torch.distributed, "get_rank", lambda *a: 0)
     steps = types.SimpleNamespace(zero=lambda: None, snapshot=types.SimpleNamespace(restore=lambda: None))
+    failure: list[str] = []
     search = lambda: tuning._search(  # noqa: E731
-        None, steps, None, None, None, UbConfig(), contextlib.nullcontext, lines.append
+        None, steps, None, None, None, UbConfig(), contextlib.nullcontext, lines.append, failure
     )
-    if failure == "interrupt":
+    if kind == "interrupt":
         with pytest.raises(KeyboardInterrupt):
             search()
         assert "tuning interrupted" in lines[-1]
         return
     assert search() == (None, None)
     assert "training with the starting config" in lines[-1]
-    assert [c.ub for c in applied] == ([UbConfig()] if failure == "trial" else [])
-    assert closed == ([True] if failure == "trial" else [])  # its bootstrap groups go with its last switch
+    assert [c.ub for c in applied] == ([UbConfig()] if kind == "trial" else [])
+    assert closed == ([True] if kind == "trial" else [])  # its bootstrap groups go with its last switch
+    assert failure == [{"trial": "every trial failed", "topology": "cannot tune this layout: ranks differ"}[kind]]
 
 
 def test_an_undecided_config_is_verified_in_the_run_and_written_only_when_the_run_shows_the_gain(tmp_path, monkeypatch):
@@ -627,3 +629,31 @@ def test_trial_steps_run_the_fewest_micro_batches_the_schedule_takes(run_mb, pp,
     from megatron_tp_overlap.integrations.megatron.tuning import trial_microbatches
 
     assert trial_microbatches(run_mb, pp, chunks, asked) == expected
+
+
+def test_a_failed_tuning_replaces_an_earlier_report_with_one_that_says_so(tmp_path, monkeypatch):
+    """The YAML, report and recipe are one unit: when tuning found nothing (every trial failed), the YAML holds the
+    starting config and the report beside it says why, instead of an earlier run's report naming another config.
+    No cache entry is made."""
+    import json
+    from types import SimpleNamespace
+
+    from test_cache import KEY
+
+    from megatron_tp_overlap.engine.space import TuningConfig
+    from megatron_tp_overlap.integrations.megatron import tuning as mt
+    from megatron_tp_overlap.tools.winners import read_report
+    from megatron_tp_overlap.ub.config import UbConfig
+
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda *a, **k: 0)
+    out = tmp_path / "tuned.yaml"
+    out.with_suffix(".report.json").write_text(json.dumps({"decision": {"chosen": "autotuned"}, "meta": {}}))
+    ref = TuningConfig(UbConfig(), frozenset(), "reference")
+    tuned = mt.Tuned(ref, None, out, mt._recipe(ref, frozenset({"fc2_fprop"}), out, 2))
+    tuned.notes.append("tuning failed (every trial failed: timeout): training with the starting config")
+    puts = []
+    mt._write_outputs(tuned, KEY, SimpleNamespace(put=lambda *a: puts.append(a)), 12.5, print)
+    report = json.loads(out.with_suffix(".report.json").read_text())
+    assert report["decision"]["chosen"] == "reference" and "every trial failed: timeout" in report["decision"]["reason"]
+    assert report["meta"]["wall_s"] == 12.5 and report["recipe"]["add_flags"] and puts == []
+    assert read_report(out, report).chosen == "reference"  # the tools read it like any report

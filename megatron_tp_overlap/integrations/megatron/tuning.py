@@ -208,7 +208,8 @@ def tune(
 
     state_check = _state_check(model, optimizer, steps) if check_state else None
     t0 = time.perf_counter()
-    result, switcher = _search(model, steps, init, run, options, reference, trial_context, log)
+    failure: list[str] = []
+    result, switcher = _search(model, steps, init, run, options, reference, trial_context, log, failure)
     tuned = Tuned(
         result.best if result else TuningConfig(reference, frozenset(), "reference"),
         steps.data.release(),
@@ -218,7 +219,7 @@ def tune(
         active=active,
     )
     if result is None:
-        tuned.notes.append("tuning failed: training with the starting config")
+        tuned.notes.append(f"tuning failed ({'; '.join(failure) or 'no result'}): training with the starting config")
     else:
         log(result.summary)
         if state_check is not None:
@@ -391,9 +392,10 @@ def _search(
     reference: UbConfig,
     trial_context: Callable[[], ContextManager],
     log: Callable[..., None],
+    failure: Optional[list[str]] = None,
 ) -> tuple[Any, Any]:
     """The engine's search on Megatron's trial steps, and the switcher that applied its configs; (None, None) when
-    every trial failed (all ranks agree on that)."""
+    every trial failed or the layout cannot be tuned (all ranks agree on that; why goes to ``failure``)."""
     import torch
 
     from megatron_tp_overlap.engine.progress import TuningProgress
@@ -409,9 +411,13 @@ def _search(
             return tuner.tune(), tuner.switcher
     except TopologyMismatch as e:  # before any trial, on every rank: the starting config is still live
         log(f"{TAG} WARNING cannot tune this layout: {e}; training with the starting config")
+        if failure is not None:
+            failure.append(f"cannot tune this layout: {e}")
         return None, None
     except TrialFailed as e:  # raised on every rank together: the run trains on with its own config
         log(f"{TAG} WARNING tuning failed ({e}); training with the starting config")
+        if failure is not None:
+            failure.append(str(e))
         tuner.switcher.apply(TuningConfig(reference, frozenset(), "reference"))
         tuner.switcher.close()
         return None, None
@@ -562,25 +568,35 @@ def _write_outputs(tuned: Tuned, key: Any, cache: Any, wall_s: float, log: Calla
     res, out = tuned.result, tuned.yaml_path
     meta = {**asdict(key), "wall_s": round(wall_s, 2), "chosen": tuned.config.label}
     ok = _write_yaml(out, tuned.config, meta, log)
-    if res is not None:
-        try:
-            write_report(
-                out.with_suffix(".report.json"),
-                {**res.report, "tuning_key": asdict(key), "recipe": tuned.recipe.to_dict(), "notes": tuned.notes},
-            )
+    # a failed tuning's report says so: a report of an earlier run beside this YAML would name another config
+    report = res.report if res is not None else failed_report(tuned.notes, wall_s)
+    try:
+        write_report(
+            out.with_suffix(".report.json"),
+            {**report, "tuning_key": asdict(key), "recipe": tuned.recipe.to_dict(), "notes": tuned.notes},
+        )
+        if res is not None:
             cache.put(
                 key,
                 tuned.config.ub,
                 tuned.config.disabled,
                 {"date": datetime.date.today().isoformat(), "tuned": {"chosen": tuned.config.label}},
             )
-        except OSError as e:
-            log(f"{TAG} WARNING could not write the report or the cache entry: {e}")
+    except OSError as e:
+        log(f"{TAG} WARNING could not write the report or the cache entry: {e}")
     if ok:
         _write_recipe(out, tuned.recipe, log)
         log(f"{TAG} wrote {out} ({tuned.config.label}; {wall_s:.1f} s); reproduce with: {tuned.recipe.line()}")
         if tuned.recipe.problem:
             log(f"{TAG} WARNING the tuned config cannot be fully reproduced from flags: {tuned.recipe.problem}")
+
+
+def failed_report(notes: list[str], wall_s: float) -> dict[str, Any]:
+    """The report of a tuning that found nothing to choose (every trial failed, or the layout cannot be tuned): the
+    run trains on with its starting config, and the report (read by people and tools like an engine report) says
+    why."""
+    reason = "; ".join(notes) or "tuning failed: training with the starting config"
+    return {"decision": {"chosen": "reference", "reason": reason}, "summary": reason, "meta": {"wall_s": wall_s}}
 
 
 def _state_check(model: list, optimizer: Any, steps: MegatronSteps) -> Any:
