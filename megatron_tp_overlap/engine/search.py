@@ -439,22 +439,21 @@ class Searcher:
         ref = next((c for c in cont if c.name == "reference"), cont[0])
         others = [c for c in cont if c is not ref]
         # 1. selection: every contender once, the reference bracketing them (drift interpolated away)
-        sel: dict[str, float] = {}
         plan: list[Contender] = [ref]
         for i, c in enumerate(others):
             plan.append(c)
             if (i + 1) % o.bracket_every == 0 or i == len(others) - 1:
                 plan.append(ref)
-        for c in plan:
-            if ref.samples and not self._can_afford(self.block_steps, o.quads_work(o.min_quads, self.block_steps)):
-                continue
-            self._decision_trial(c, self.block_steps, "select")
-        track = self._track([t for t in self.trials if t.phase == "select" and t.tested.get("*") == ref.name])
-        for c in others:
-            pts = [t for t in self.trials if t.phase == "select" and t.tested.get("*") == c.name and not t.error]
-            vals = [v - track(t.position) for t in pts if (v := self._slot_sum(t)) is not None]
-            if vals and not math.isnan(track(0.0)):  # the reference was measured
-                sel[c.name] = statistics.median(vals)  # ms over the reference at the same moment
+        self._select_trials(plan, ref)
+        sel = self._selection(ref, others)
+        # 1b. runoff: the contenders ahead of the reference again, in alternating order, until each has
+        # select_passes blocks (one block cannot tell configs ~1% of a step apart)
+        ahead = sorted((c for c in others if sel.get(c.name, 0.0) < 0), key=lambda c: sel[c.name])[: o.runoff]
+        for p in range(1, o.select_passes if len(ahead) > 1 else 1):
+            order = ahead if p % 2 == 0 else ahead[::-1]
+            if not self._select_trials([*order, ref], ref, stop_short=True):
+                break
+            sel = self._selection(ref, others)
         if not ref.samples:
             raise TrialFailed("the reference config could not be measured (every trial failed)")
         rejected: list[str] = []
@@ -533,6 +532,36 @@ class Searcher:
             undecided=undecided,
             cut_short=self.cut_short,
         )
+
+    def _select_trials(self, plan: list[Contender], ref: Contender, stop_short: bool = False) -> bool:
+        """One selection block per entry of ``plan`` while the budget keeps the decision's first quadruples;
+        ``stop_short``: run none unless all fit (a runoff pass without its closing reference block tells nothing).
+        False when the budget stopped it."""
+        o = self.opt
+        reserve = o.quads_work(o.min_quads, self.block_steps)
+        if stop_short:
+            need = Work(len(plan) * (self.block_steps + o.warmup_steps), len(plan))
+            if not self._can_afford(need.steps, reserve + Work(0, need.switches)):
+                return False
+        for c in plan:
+            if ref.samples and not self._can_afford(self.block_steps, reserve):
+                if stop_short:
+                    return False
+                continue
+            self._decision_trial(c, self.block_steps, "select")
+        return True
+
+    def _selection(self, ref: Contender, others: list[Contender]) -> dict[str, float]:
+        """Per contender: the median over its selection blocks of its slot time minus the reference's at the same
+        moment (ms; negative is faster); contenders not measured, or no reference measured, are left out."""
+        track = self._track([t for t in self.trials if t.phase == "select" and t.tested.get("*") == ref.name])
+        sel: dict[str, float] = {}
+        for c in others:
+            pts = [t for t in self.trials if t.phase == "select" and t.tested.get("*") == c.name and not t.error]
+            vals = [v - track(t.position) for t in pts if (v := self._slot_sum(t)) is not None]
+            if vals and not math.isnan(track(0.0)):  # the reference was measured
+                sel[c.name] = statistics.median(vals)
+        return sel
 
     def _track(
         self, trials: list[Trial], score: Callable[[Trial], float | None] | None = None
