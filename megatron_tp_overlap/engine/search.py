@@ -448,7 +448,8 @@ class Searcher:
         sel = self._selection(ref, others)
         # 1b. runoff: the contenders ahead of the reference again, in alternating order, until each has
         # select_passes blocks (one block cannot tell configs ~1% of a step apart)
-        ahead = sorted((c for c in others if sel.get(c.name, 0.0) < 0), key=lambda c: sel[c.name])[: o.runoff]
+        ahead = [c for c in others if sel.get(c.name, 0.0) < 0 and c.name not in self.report_only]
+        ahead = sorted(ahead, key=lambda c: sel[c.name])[: o.runoff]
         for p in range(1, o.select_passes if len(ahead) > 1 else 1):
             order = ahead if p % 2 == 0 else ahead[::-1]
             if not self._select_trials([*order, ref], ref, stop_short=True):
@@ -539,9 +540,9 @@ class Searcher:
         False when the budget stopped it."""
         o = self.opt
         reserve = o.quads_work(o.min_quads, self.block_steps)
-        if stop_short:
-            need = Work(len(plan) * (self.block_steps + o.warmup_steps), len(plan))
-            if not self._can_afford(need.steps, reserve + Work(0, need.switches)):
+        if stop_short:  # the first block is _can_afford's own trial; the others go with the reserve
+            rest = len(plan) - 1
+            if not self._can_afford(self.block_steps, reserve + Work(rest * (self.block_steps + o.warmup_steps), rest)):
                 return False
         for c in plan:
             if ref.samples and not self._can_afford(self.block_steps, reserve):
