@@ -1,14 +1,16 @@
 """Autotuned vs every baseline vs slot-exhaustive search vs the bound, under torchrun:
 
     torchrun --nproc-per-node=N benchmarks/overlap_vs_baselines.py --cases llama3_8b,llama3_70b,gpt3_20b \\
-        --layers 2 --out DIR
+        --layers 2 [--fp8] --out DIR
 
 Per case (TP = all processes), the fwd+bwd step time of a stack of te.TransformerLayer (median of
 --steps steps per round, --rounds interleaved rounds, spread reported) with: no TP overlap (NCCL),
 TE default ub_cfgs, the closest NeMo preset, the slot-exhaustive best and the autotuner; the
 communication-only time of the same collectives (NCCL, standalone: per layer 6 all-gathers and 4
-reduce-scatters of the [tokens, hidden] activation); overlap efficiency (T_no_overlap - T) / T_comm.
-Writes overlap_vs_baselines_tp{N}.json / .md and a bar chart.
+reduce-scatters of the [tokens, hidden] activation, in bf16); overlap efficiency (T_no_overlap - T) / T_comm.
+With --fp8, GEMMs and userbuffers in FP8 as in a Megatron-LM run with --fp8-format hybrid (delayed scaling), the
+closest FP8 preset; the comm-only time stays bf16 (an upper bound: FP8 all-gathers move half the bytes).
+Writes overlap_vs_baselines_tp{N}[_fp8].json / .md and a bar chart.
 """
 
 from __future__ import annotations
@@ -95,7 +97,14 @@ def comm_only_ms(tokens: int, hidden: int, layers: int, iters: int = 20) -> dict
 
 
 def run_case(
-    name: str, layers: int, steps: int, rounds: int, budget_s: float, exhaustive: bool, repeats: int = 1
+    name: str,
+    layers: int,
+    steps: int,
+    rounds: int,
+    budget_s: float,
+    exhaustive: bool,
+    repeats: int = 1,
+    fp8: bool = False,
 ) -> dict:
     import torch
     import torch.distributed as dist
@@ -119,9 +128,10 @@ def run_case(
         model_name, seq, mbs = CASES[name]
         d = load_model_dims(model_name)
     tp = dist.get_world_size()
-    stack = build_stack(d, layers, seq, mbs, overlap=True)
+    stack = build_stack(d, layers, seq, mbs, overlap=True, fp8=fp8)
     out: dict = {
         "case": name,
+        "precision": "fp8" if fp8 else "bf16",
         "model": model_name,
         "tp": tp,
         "layers": layers,
@@ -132,7 +142,7 @@ def run_case(
     out["comm_only"] = comm_only_ms(seq * mbs, d.hidden, layers)
 
     contenders = {"no overlap": None, "TE default": TuningConfig(UbConfig(), frozenset(), "TE default")}
-    preset = closest_preset(d.hidden, tp, fp8=False)
+    preset = closest_preset(d.hidden, tp, fp8=fp8)
     contenders[f"preset {preset}"] = TuningConfig(get_preset(preset), frozenset(), preset)
     out["autotune"] = []
     for r in range(repeats):  # independent tunings of the same layers: the worst repeat is the result
@@ -199,6 +209,12 @@ def run_case(
     return out
 
 
+def label(r: dict) -> str:
+    """The case's name in tables: with its precision when not bf16."""
+    p = r.get("precision", "bf16")
+    return r["case"] if p == "bf16" else f"{r['case']} {p}"
+
+
 def render(results: list[dict]) -> str:
     lines = [
         "| case | TP | config | step ms | spread | overlap efficiency | comm-only ms |",
@@ -207,7 +223,7 @@ def render(results: list[dict]) -> str:
     for r in results:
         for k, v in r["step_ms"].items():
             lines.append(
-                f"| {r['case']} | {r['tp']} | {k} | {v['median']:.3f} | {v['spread']:.3f} | {v['efficiency']:.2f} | "
+                f"| {label(r)} | {r['tp']} | {k} | {v['median']:.3f} | {v['spread']:.3f} | {v['efficiency']:.2f} | "
                 f"{r['comm_only']['total_ms']:.3f} |"
             )
     lines += [
@@ -221,7 +237,7 @@ def render(results: list[dict]) -> str:
             vs_ex = "-" if t["vs_exhaustive_pct"] is None else f"{t['vs_exhaustive_pct']:+.2f}"
             steps = f"{a['steps']}" + (f" ({a['steps'] / ex['steps']:.0%} of {ex['steps']})" if ex else "")
             lines.append(
-                f"| {r['case']} | {a['name']} | {t['vs_best_baseline_pct']:+.2f} | {vs_ex} | {steps} | {a['wall_s']:.1f} "
+                f"| {label(r)} | {a['name']} | {t['vs_best_baseline_pct']:+.2f} | {vs_ex} | {steps} | {a['wall_s']:.1f} "
                 f"| {' '.join(a['decision'].split())[:90]} |"
             )
     return "\n".join(lines)
@@ -247,7 +263,7 @@ def plot(results: list[dict], path: Path) -> None:
         labels = [n if not n.startswith("preset ") else "closest preset" for n in names]
         ax.set_xticks(range(len(names)), labels, rotation=30, ha="right", fontsize=7)
         ax.set_ylabel("step ms (axis does not start at 0)")
-        ax.set_title(f"{r['case']} TP={r['tp']}", fontsize=9)
+        ax.set_title(f"{label(r)} TP={r['tp']}", fontsize=9)
         ax.legend(fontsize=6, loc="lower left")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -269,6 +285,7 @@ def main() -> None:
         default=[],
         help="a case by its dimensions, name:hidden,ffn,heads,kv_heads,seq[,mbs] (repeatable; name it in --cases)",
     )
+    p.add_argument("--fp8", action="store_true", help="FP8 GEMMs and userbuffers (delayed scaling, hybrid format)")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     a = p.parse_args()
     SHAPES.update(parse_shape(x) for x in a.shape)
@@ -278,15 +295,16 @@ def main() -> None:
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl")
     out, tp, results = Path(a.out), dist.get_world_size(), []
+    stem = f"overlap_vs_baselines_tp{tp}" + ("_fp8" if a.fp8 else "")
     for c in a.cases.split(","):
-        results.append(run_case(c, a.layers, a.steps, a.rounds, a.budget_s, not a.no_exhaustive, a.repeats))
+        results.append(run_case(c, a.layers, a.steps, a.rounds, a.budget_s, not a.no_exhaustive, a.repeats, a.fp8))
         if dist.get_rank() == 0:  # after every case: a run cut off by its time limit keeps the cases it finished
             out.mkdir(parents=True, exist_ok=True)
-            (out / f"overlap_vs_baselines_tp{tp}.json").write_text(json.dumps(results, indent=1, default=str))
-            (out / f"overlap_vs_baselines_tp{tp}.md").write_text(render(results) + "\n")
+            (out / f"{stem}.json").write_text(json.dumps(results, indent=1, default=str))
+            (out / f"{stem}.md").write_text(render(results) + "\n")
             print(render(results[-1:]), flush=True)
     if dist.get_rank() == 0:
-        plot(results, out / f"overlap_vs_baselines_tp{tp}.png")
+        plot(results, out / f"{stem}.png")
     dist.barrier()
     dist.destroy_process_group()
 

@@ -205,6 +205,50 @@ def test_step_and_fingerprint_leave_no_gradients_and_repeat_exactly():
     assert not torch.equal(torch.as_tensor(a), torch.as_tensor(fingerprint()))
 
 
+def test_fp8_fingerprints_start_from_the_same_scales_whatever_the_steps_between_did():
+    """Delayed scaling: a step's FP8 scale comes from the steps before it. A fingerprint taken after other steps must
+    still equal the first one (configs are compared at the same scales); a changed weight must still show."""
+    import contextlib
+    from types import SimpleNamespace
+
+    import torch
+
+    from megatron_tp_overlap.tools.layer_bench import step_and_fingerprint
+
+    class DelayedScaled(torch.nn.Linear):
+        """Output scaled by the previous step's amax, as a quantized GEMM's rounding depends on it."""
+
+        def __init__(self) -> None:
+            super().__init__(8, 8)
+            self.fp8_meta = {"scaling_fwd": SimpleNamespace(amax_history=torch.zeros(1, 1), scale=torch.ones(1))}
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            state = self.fp8_meta["scaling_fwd"]
+            y = super().forward(x) * state.scale.clone()
+            with torch.no_grad():
+                state.amax_history.fill_(float(y.abs().max()))
+                state.scale.fill_(1.0 / (1.0 + float(state.amax_history.max())))
+            return y
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(DelayedScaled())
+    x = torch.randn(4, 8, requires_grad=True)
+    dy = torch.randn(4, 8)
+    step, fingerprint = step_and_fingerprint(model, x, dy, autocast=contextlib.nullcontext)
+    a = fingerprint()
+    for _ in range(3):
+        step()
+    assert torch.equal(torch.as_tensor(a), torch.as_tensor(fingerprint()))
+    with torch.no_grad():
+        model[0].weight.add_(1e-2)
+    assert not torch.equal(torch.as_tensor(a), torch.as_tensor(fingerprint()))
+    # without autocast (bf16) nothing is restored: the same model's fingerprint follows its scale
+    _, plain = step_and_fingerprint(model, x, dy)
+    b = plain()
+    step()
+    assert not torch.equal(torch.as_tensor(b), torch.as_tensor(plain()))
+
+
 def _compiled_from(path, source: str, name: str):
     """``name`` from ``source`` written at ``path`` and imported from there (its code objects carry that path)."""
     import importlib.util

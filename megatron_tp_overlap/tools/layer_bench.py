@@ -11,6 +11,7 @@ config), ``DIR/tp{N}_tuning_report.json`` and, with ``--profile``, ``DIR/tp{N}_t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -53,20 +54,47 @@ class LayerStack:
     fingerprint: Callable[[], Any]  # numerics.Fingerprint of outputs and all gradients of one step
 
 
-def step_and_fingerprint(model: Any, x: Any, dy: Any) -> tuple[Callable[[], None], Callable[[], Any]]:
+def fp8_autocast(group: Any) -> Callable[[], Any]:
+    """``() -> context``: TE's autocast with the FP8 recipe a Megatron-LM run gets from ``--fp8-format hybrid``
+    (delayed scaling, margin 0, amax history 1, most recent; megatron-core 0.19's ``TransformerConfig`` defaults),
+    amaxes reduced over ``group`` (the TP group) as Megatron does."""
+    import transformer_engine.pytorch as te
+    from transformer_engine.common.recipe import DelayedScaling, Format
+
+    recipe = DelayedScaling(fp8_format=Format.HYBRID, margin=0, amax_history_len=1, amax_compute_algo="most_recent")
+    return lambda: te.autocast(enabled=True, recipe=recipe, amax_reduction_group=group)
+
+
+def step_and_fingerprint(
+    model: Any, x: Any, dy: Any, autocast: Callable[[], Any] | None = None
+) -> tuple[Callable[[], None], Callable[[], Any]]:
     """The tuner's trial step (fwd+bwd of ``x`` with output grad ``dy``, keeping nothing: the graph and its
-    communicators die with it) and its numerics fingerprint (output, input grad and every weight grad of one step)."""
+    communicators die with it) and its numerics fingerprint (output, input grad and every weight grad of one step).
+
+    ``autocast``: ``() -> context`` around the forward (FP8: :func:`fp8_autocast`). With it, every fingerprint starts
+    from the FP8 metadata (and RNG states) the first one found: delayed scaling takes a step's scales from the steps
+    before it, so two configs would otherwise be compared at different scales."""
     from megatron_tp_overlap.engine.numerics import Fingerprint
+    from megatron_tp_overlap.integrations.megatron.state import StateSnapshot
 
     fp = Fingerprint()
+    context = autocast or contextlib.nullcontext
+    start: list[Any] = []  # StateSnapshot at the first fingerprint (with autocast)
 
     def step() -> None:
-        model(x).backward(dy)
+        with context():
+            y = model(x)
+        y.backward(dy)
 
     def fingerprint() -> Any:
+        if autocast is not None:
+            if not start:
+                start.append(StateSnapshot.take([model]))
+            start[0].restore()
         model.zero_grad(set_to_none=True)
         x.grad = None
-        y = model(x)
+        with context():
+            y = model(x)
         y.backward(dy)
         f = fp([y, x.grad, *(p.grad for p in model.parameters())])
         del y
@@ -77,9 +105,12 @@ def step_and_fingerprint(model: Any, x: Any, dy: Any) -> tuple[Callable[[], None
     return step, fingerprint
 
 
-def build_stack(d: Any, layers: int, seq: int, mbs: int, overlap: bool, seed: int = 1234) -> LayerStack:
+def build_stack(
+    d: Any, layers: int, seq: int, mbs: int, overlap: bool, seed: int = 1234, fp8: bool = False
+) -> LayerStack:
     """``layers`` x ``te.TransformerLayer`` with the dims of ``d`` (models.ModelDims), sequence
-    parallel over the world group, userbuffers initialized (TE defaults) when ``overlap``."""
+    parallel over the world group, userbuffers initialized (TE defaults) when ``overlap``; with ``fp8``, FP8
+    userbuffers and GEMMs as in a Megatron-LM run with ``--fp8-format hybrid`` (:func:`fp8_autocast`)."""
     import torch
     import torch.distributed as dist
     import transformer_engine.pytorch as te
@@ -96,7 +127,9 @@ def build_stack(d: Any, layers: int, seq: int, mbs: int, overlap: bool, seed: in
                 tp_size=tp,
                 dtype=torch.bfloat16,
                 ub_cfgs={},
-                quantization_modes=[te_base.UserBufferQuantizationMode.NONE],
+                quantization_modes=[
+                    te_base.UserBufferQuantizationMode.FP8 if fp8 else te_base.UserBufferQuantizationMode.NONE
+                ],
                 bootstrap_backend="nccl",
             )
         init = calls[0]
@@ -134,7 +167,7 @@ def build_stack(d: Any, layers: int, seq: int, mbs: int, overlap: bool, seed: in
     shape = (seq // tp, mbs, d.hidden)
     x = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
     dy = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=g)
-    step, fingerprint = step_and_fingerprint(model, x, dy)
+    step, fingerprint = step_and_fingerprint(model, x, dy, fp8_autocast(dist.group.WORLD) if fp8 else None)
     return LayerStack(model, init, step, fingerprint)
 
 
