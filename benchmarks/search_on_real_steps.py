@@ -18,7 +18,11 @@ reference, false winners where every config costs the same. Userbuffers' own noi
 it: that needs a multi-GPU run.
 
 Runs alternate between seeds with a gain and ``equal`` seeds until ``--runs`` or ``--minutes`` is reached; each run's
-result is written as it ends (``search_on_real_steps.json``), and the table is printed last.
+result is written as it ends (``search_on_real_steps.json``), and the table is printed last. ``--preset``: worlds with
+2-3 truly faster options and a preset-like whole config among the contenders, between the reference and the best (as
+``decision_sim --preset``; on H200 the closest NeMo preset ran 1-2% behind the best config). ``--select-passes 1 3``:
+each seed searched once per value of ``SearchOptions.select_passes`` on the same world, in alternating order (a
+paired comparison of the selection runoff on the same real steps).
 """
 
 from __future__ import annotations
@@ -156,7 +160,7 @@ def probe_delays(real: RealSteps) -> dict:
     return out
 
 
-def one_search(real: RealSteps, seed: int, gain: float) -> dict:
+def one_search(real: RealSteps, seed: int, gain: float, preset: bool = False, select_passes: int | None = None) -> dict:
     from megatron_tp_overlap.engine import heap
     from megatron_tp_overlap.engine.search import Searcher, SearchOptions
     from megatron_tp_overlap.engine.space import TuningConfig, all_off, build_space
@@ -165,19 +169,25 @@ def one_search(real: RealSteps, seed: int, gain: float) -> dict:
 
     rng = random.Random(seed)
     space = build_space(sim.TOPO, sim.CTX, [UbConfig()])
-    world = sim.make_world(space, gain, rng)
+    world = sim.make_world(space, gain, rng, fewest=2 if preset else 1)
     ref = TuningConfig(UbConfig(), frozenset(), "reference")
+    baselines = {"no overlap": all_off(real.topo, ref)}
+    if preset and (p := sim.preset_of(world, space, ref)) is not None:
+        baselines["preset"] = p
+    options = SearchOptions() if select_passes is None else SearchOptions(select_passes=select_passes)
     real.start(world)
     with heap.frozen():  # as tuning does
-        res = Searcher(real.topo, space, real, sim.CTX, SearchOptions()).run(
-            ref, {"no overlap": all_off(real.topo, ref)}
-        )
+        res = Searcher(real.topo, space, real, sim.CTX, options).run(ref, baselines)
     ref_ms, chosen_ms = world.step_ms(ref), world.step_ms(res.best)
     best_ms = world.step_ms(sim.best_config(world, space, ref))
     d = res.decision
     decided = next((c.config for c in res.contenders if c.name == d.get("candidate")), ref)
     return {
         "seed": seed,
+        "select_passes": options.select_passes,
+        "preset_excess_pct": round(100 * (world.step_ms(baselines["preset"]) - best_ms) / sim.STEP_MS, 3)
+        if "preset" in baselines
+        else None,  # the preset-like contender's true cost over the best config, % of the step
         "kind": "gain" if gain > 0 else "equal",
         "available_gain_pct": round(100 * (ref_ms - best_ms) / sim.STEP_MS, 3),
         "realized": (ref_ms - chosen_ms) / (ref_ms - best_ms) if ref_ms > best_ms else None,
@@ -233,6 +243,8 @@ def inner(
     gains: tuple[float, float],
     argv: list[str],
     trial_microbatches: int = 0,
+    preset: bool = False,
+    select_passes: tuple[int, ...] = (),
 ) -> None:
     import megatron.training.training as training
     import torch
@@ -262,6 +274,7 @@ def inner(
         real = RealSteps(steps, modules, topo, delays, idle_s, step_ms / sim.STEP_MS)
         result = {"megatron_args": argv[1:], "step_ms": step_ms, "ms_per_cycle": delays.per_cycle, "idle_s": idle_s}
         result["trial_microbatches"] = steps.n_mb
+        result["preset"], result["select_passes"] = preset, list(select_passes)
         result["runs"] = []
         result["probe"] = probe_delays(real)  # the put-in delay, measured on whole steps
         delays.set({})
@@ -269,16 +282,20 @@ def inner(
             if time.perf_counter() - t_start > 60 * minutes:
                 break
             gain = random.Random(first_seed + i).uniform(*gains) / 100 if i % 2 == 0 else 0.0
-            rec = one_search(real, first_seed + i, gain)
-            rec["wall_s"] = round(time.perf_counter() - t_start, 1)
-            result["runs"].append(rec)
-            print(f"[search_on_real_steps] {json.dumps(rec)}", flush=True)
-            if int(os.environ.get("RANK", "0")) == 0:
-                out.mkdir(parents=True, exist_ok=True)
-                tmp = out / "search_on_real_steps.json.tmp"
-                tmp.write_text(json.dumps(result, indent=1) + "\n")
-                os.replace(tmp, out / "search_on_real_steps.json")
-            delays.set({})
+            variants = list(select_passes) or [None]
+            if i % 4 >= 2:  # each kind of seed runs the variants in both orders (drift over the pair cancels)
+                variants.reverse()
+            for v in variants:
+                rec = one_search(real, first_seed + i, gain, preset, v)
+                rec["wall_s"] = round(time.perf_counter() - t_start, 1)
+                result["runs"].append(rec)
+                print(f"[search_on_real_steps] {json.dumps(rec)}", flush=True)
+                if int(os.environ.get("RANK", "0")) == 0:
+                    out.mkdir(parents=True, exist_ok=True)
+                    tmp = out / "search_on_real_steps.json.tmp"
+                    tmp.write_text(json.dumps(result, indent=1) + "\n")
+                    os.replace(tmp, out / "search_on_real_steps.json")
+                delays.set({})
         torch.cuda.synchronize()
         return 0, 0  # no training; pretrain() carries on to its end
 
@@ -307,29 +324,34 @@ def summarize(runs: list[dict]) -> dict:
 
 def table(result: dict) -> str:
     rows = [
-        "| seed | kind | gain put in, % | realized | true excess % | chosen | steps | s | switches | "
-        "decision: gain measured ms (put in) | +- % of step |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| seed | select passes | kind | gain put in, % | preset behind best, % | realized | true excess % | chosen | "
+        "steps | s | switches | decision: gain measured ms (put in) | +- % of step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["runs"]:
         real = "-" if r["realized"] is None else f"{100 * r['realized']:.1f}%"
+        pre = "-" if r.get("preset_excess_pct") is None else f"{r['preset_excess_pct']:.2f}"
         rows.append(
-            f"| {r['seed']} | {r['kind']} | {r['available_gain_pct']:.2f} | {real} | {r['excess_pct']:+.2f} | "
-            f"{r['chosen']} | {r['steps']} | {r['seconds']} | {r['switches']} | "
+            f"| {r['seed']} | {r.get('select_passes', '-')} | {r['kind']} | {r['available_gain_pct']:.2f} | {pre} | "
+            f"{real} | {r['excess_pct']:+.2f} | {r['chosen']} | {r['steps']} | {r['seconds']} | {r['switches']} | "
             f"{r['decision_gain_ms']} ({r['true_gain_of_decided_ms']}) | {r['decision_half_width_pct']} |"
         )
-    s, pr = summarize(result["runs"]), result["probe"]
+    pr = result["probe"]
     rows += [
         "",
         f"step {result['step_ms']:.1f} ms; put-in delays measured: 'no overlap' {pr['no overlap_ms']:.2f} ms vs "
         f"reference {pr['reference_ms']:.2f} ms, put in {pr['true_difference_ms']:.2f} ms apart",
-        f"seeds with a gain: {s['runs_with_gain']}, realized mean {100 * s['realized_mean']:.1f}%, "
-        f"min {100 * s['realized_min']:.1f}%; worst true excess over the reference {s['worst_excess_pct']:+.2f}%; "
-        f"equal seeds: {s['equal_runs']}, false winners {s['false_winners']}; "
-        f"median {s['steps_median']:.0f} steps, {s['seconds_median']:.1f} s, {s['switches_median']:.0f} switches",
-        f"final decision on equal seeds, measured gain (ms): {s['equal_measured_gain_ms']}; a continuing block "
-        f"minus a block after a switch, per run (ms): {s['gap_effect_ms']}",
     ]
+    for v in sorted({r.get("select_passes") for r in result["runs"]}, key=str):
+        s = summarize([r for r in result["runs"] if r.get("select_passes") == v])
+        rows += [
+            f"select passes {v}: seeds with a gain: {s['runs_with_gain']}, realized mean {100 * s['realized_mean']:.1f}%, "
+            f"min {100 * s['realized_min']:.1f}%; worst true excess over the reference {s['worst_excess_pct']:+.2f}%; "
+            f"equal seeds: {s['equal_runs']}, false winners {s['false_winners']}; "
+            f"median {s['steps_median']:.0f} steps, {s['seconds_median']:.1f} s, {s['switches_median']:.0f} switches",
+            f"  final decision on equal seeds, measured gain (ms): {s['equal_measured_gain_ms']}; a continuing block "
+            f"minus a block after a switch, per run (ms): {s['gap_effect_ms']}",
+        ]
     return "\n".join(rows)
 
 
@@ -356,13 +378,35 @@ def main() -> None:
         "--shape", default="", help="model keys of benchmarks/megatron_autotune.MODEL, e.g. hidden=5120,ffn=14336"
     )
     p.add_argument("--fp8", action="store_true", help="FP8 GEMMs (--fp8-format hybrid)")
+    p.add_argument(
+        "--preset", action="store_true", help="2-3 faster options per world and a preset-like contender (see above)"
+    )
+    p.add_argument(
+        "--select-passes",
+        type=int,
+        nargs="*",
+        default=[],
+        metavar="N",
+        help="search each seed once per value of SearchOptions.select_passes (default: the option's default, once)",
+    )
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     add_trial_microbatches(p)
     p.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     a, rest = p.parse_known_args()
     out = Path(a.out)
     if a.inner:
-        inner(out, a.runs, a.minutes, a.idle_s, a.first_seed, tuple(a.gain_pct), rest, a.trial_microbatches)
+        inner(
+            out,
+            a.runs,
+            a.minutes,
+            a.idle_s,
+            a.first_seed,
+            tuple(a.gain_pct),
+            rest,
+            a.trial_microbatches,
+            a.preset,
+            tuple(a.select_passes),
+        )
         return
     from megatron_autotune import FP8_ARGS, one_gpu_args
 
@@ -371,6 +415,9 @@ def main() -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", __file__, "--inner", "--out", str(out)]
     cmd += ["--trial-microbatches", str(a.trial_microbatches)]
     cmd += ["--runs", str(a.runs), "--minutes", str(a.minutes), "--idle-s", str(a.idle_s)]
+    cmd += (["--preset"] if a.preset else []) + (
+        ["--select-passes", *map(str, a.select_passes)] if a.select_passes else []
+    )  # before the options below: "--select-passes 1 3 SCRIPT" would take the script for a value
     cmd += ["--first-seed", str(a.first_seed), "--gain-pct", *map(str, a.gain_pct), a.script, *args]
     print(" ".join(cmd), flush=True)
     rc = subprocess.run(cmd).returncode

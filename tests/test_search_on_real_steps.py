@@ -6,6 +6,7 @@ import random
 import sys
 from pathlib import Path
 
+from megatron_tp_overlap.engine.search import SearchOptions
 from megatron_tp_overlap.engine.space import TuningConfig, all_off, apply, build_space
 from megatron_tp_overlap.tools import decision_sim as sim
 from megatron_tp_overlap.ub.config import UbConfig
@@ -73,6 +74,26 @@ def test_a_search_is_scored_against_the_truth():
     s = sr.summarize([gain, equal])
     assert s["runs_with_gain"] == 1 and s["equal_runs"] == 1 and s["realized_min"] == gain["realized"]
     assert s["worst_excess_pct"] == max(gain["excess_pct"], equal["excess_pct"])
+
+
+def test_a_preset_world_scores_the_preset_and_each_select_passes_value_runs_on_the_same_world():
+    """--preset: a preset-like contender between the reference and the best (its true distance to the best is in the
+    record); --select-passes: the same seed and world under each value, told apart in the table."""
+    recs = [sr.one_search(SimulatedReal(), 1003, 0.04, preset=True, select_passes=v) for v in (1, 3)]
+    assert [r["select_passes"] for r in recs] == [1, 3]
+    assert all(r["preset_excess_pct"] is not None and r["preset_excess_pct"] > 0 for r in recs)
+    assert recs[0]["preset_excess_pct"] == recs[1]["preset_excess_pct"]  # one world
+    assert recs[0]["available_gain_pct"] == recs[1]["available_gain_pct"]
+    assert all("preset" in {b[0] for b in r["confirm_blocks"]} or r["chosen"] != "preset" for r in recs)
+    plain = sr.one_search(SimulatedReal(), 1003, 0.04)
+    assert plain["preset_excess_pct"] is None and plain["select_passes"] == SearchOptions().select_passes
+    result = {
+        "runs": recs,
+        "step_ms": 100.0,
+        "probe": {"no overlap_ms": 1.0, "reference_ms": 1.0, "true_difference_ms": 0.0},
+    }
+    text = sr.table(result)
+    assert "select passes 1:" in text and "select passes 3:" in text
 
 
 def test_a_tp1_megatron_gpt_is_seen_with_the_simulators_slots():
