@@ -206,6 +206,12 @@ def one_search(real: RealSteps, seed: int, gain: float, preset: bool = False, se
         "true_gain_of_decided_ms": round(real.scale * (ref_ms - world.step_ms(decided)), 3) if d else None,
         "reference_step_ms": d.get("reference_step_ms"),
         "confirm_blocks": confirm_blocks(res.trials),
+        # per final contender: its true cost over the best config (% of the step), and what the selection round
+        # measured as its gain over the reference (ms; the runoff's input)
+        "contenders_behind_best_pct": {
+            c.name: round(100 * (world.step_ms(c.config) - best_ms) / sim.STEP_MS, 3) for c in res.contenders
+        },
+        "selection_gain_ms": d.get("selection_gain_ms"),
     }
 
 
@@ -324,15 +330,18 @@ def summarize(runs: list[dict]) -> dict:
 
 def table(result: dict) -> str:
     rows = [
-        "| seed | select passes | kind | gain put in, % | preset behind best, % | realized | true excess % | chosen | "
+        "| seed | select passes | kind | gain put in, % | preset behind best, % | autotuned behind best, % | realized | "
+        "true excess % | chosen | "
         "steps | s | switches | decision: gain measured ms (put in) | +- % of step |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["runs"]:
         real = "-" if r["realized"] is None else f"{100 * r['realized']:.1f}%"
         pre = "-" if r.get("preset_excess_pct") is None else f"{r['preset_excess_pct']:.2f}"
+        auto = r.get("contenders_behind_best_pct", {}).get("autotuned")
+        auto = "-" if auto is None else f"{auto:.2f}"
         rows.append(
-            f"| {r['seed']} | {r.get('select_passes', '-')} | {r['kind']} | {r['available_gain_pct']:.2f} | {pre} | "
+            f"| {r['seed']} | {r.get('select_passes', '-')} | {r['kind']} | {r['available_gain_pct']:.2f} | {pre} | {auto} | "
             f"{real} | {r['excess_pct']:+.2f} | {r['chosen']} | {r['steps']} | {r['seconds']} | {r['switches']} | "
             f"{r['decision_gain_ms']} ({r['true_gain_of_decided_ms']}) | {r['decision_half_width_pct']} |"
         )

@@ -84,6 +84,10 @@ def test_a_preset_world_scores_the_preset_and_each_select_passes_value_runs_on_t
     assert all(r["preset_excess_pct"] is not None and r["preset_excess_pct"] > 0 for r in recs)
     assert recs[0]["preset_excess_pct"] == recs[1]["preset_excess_pct"]  # one world
     assert recs[0]["available_gain_pct"] == recs[1]["available_gain_pct"]
+    for r in recs:  # every final contender's true distance to the best config; the reference's is the whole gain
+        behind = r["contenders_behind_best_pct"]
+        assert behind["preset"] == r["preset_excess_pct"] and behind["reference"] == r["available_gain_pct"]
+        assert min(behind.values()) >= 0
     assert all("preset" in {b[0] for b in r["confirm_blocks"]} or r["chosen"] != "preset" for r in recs)
     plain = sr.one_search(SimulatedReal(), 1003, 0.04)
     assert plain["preset_excess_pct"] is None and plain["select_passes"] == SearchOptions().select_passes
