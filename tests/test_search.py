@@ -181,6 +181,29 @@ def test_the_first_trials_one_off_costs_do_not_price_every_switch():
     assert res.elapsed_s <= 20 and res.budget_hit and any(t.phase == "select" for t in res.trials)
 
 
+def test_a_numerics_check_between_trials_is_priced_as_the_switch_it_is():
+    """The numerics check applies the config it checks, so the trial after it switches even when it runs the last
+    trial's config. Counted as continuing that config, its switch (0.9 s, as GPT-3 20B layers on 2 H200s) priced every
+    continuing block of the final decision, the reserved decision no longer fit, and the search ended "the budget ran
+    out before any candidate was measured against the reference" at ~35-40 s of 60 (the H200 run: at 41 s)."""
+    space = build_space(sim.TOPO, sim.CTX, [UbConfig()])
+    ref = TuningConfig(UbConfig(), frozenset(), "reference")
+    for seed in range(4):
+        world = sim.make_world(space, 0.03, random.Random(seed))
+        run = Clocked(sim.SimulatedRun(world, "iid", random.Random(seed), 400), step_s=0.02, switch_s=0.9)
+
+        def verify(config, run=run):  # a switch to the checked config and one step, as Autotuner.verify
+            run.t += run.switch_s + run.step_s
+            run.live = config
+
+        res = Searcher(
+            sim.TOPO, space, run, sim.CTX, SearchOptions(), verify=verify, elapsed=lambda run=run: run.t
+        ).run(ref, {"no overlap": all_off(sim.TOPO, ref)})
+        assert "before any candidate" not in res.reason and res.elapsed_s <= 60, (seed, res.reason)
+        assert world.step_ms(res.best) < world.step_ms(ref), (seed, res.reason)
+        assert any(t.phase == "confirm" for t in res.trials)
+
+
 def test_gain_within_noise_is_rejected():
     topo, space, ref, base = setup()
 

@@ -78,6 +78,11 @@ class Searcher:
             return None
         if config not in self.verified:
             self.verified[config] = self.verify(config)
+            # the check switched configs: the next trial switches too, even to the last trial's config. Counted as
+            # continuing it, that switch priced every continuing block of the decision as a switch; at ~0.9 s per
+            # switch the reserved decision then no longer fit and no candidate was measured (GPT-3 20B layers on 2
+            # H200s ended so at 41 s of 60; tests/test_search.py reproduces it at that price)
+            self._live = None
             if self.elapsed is not None:
                 self.elapsed_s = max(self.elapsed_s, self.elapsed())
         return self.verified[config]
