@@ -162,7 +162,7 @@ def test_the_space_tries_the_te_knobs_the_yaml_carries():
         labels = {g: [o.label for o in opts] for g, opts in space.items()}
         assert any("no_ce" in x for x in labels["qkv_fprop"])
         assert any("pipeline_rs_overlap_first_gemm" in x for x in labels["proj_fprop"])
-        assert any("fp8_buf" in x for x in labels["fc2_fprop"]) == fp8  # an FP8-only knob
+        assert not any("fp8_buf" in x for x in labels["fc2_fprop"])  # left out, with why (LEFT_OUT)
         off = build_space(
             topo, ValidationContext(sm_count=132, tp_size=2, fp8=fp8), [UbConfig()], SpaceSpec(include_knobs=False)
         )

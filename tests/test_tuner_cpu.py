@@ -176,6 +176,9 @@ def test_numerics_guard_floor_is_recorded_when_reproducible(fake_te):
     res = tuner.tune()
     assert res.report["meta"]["numerics_guard"].startswith("on")
     assert res.report["meta"]["numerics_rel_error"]["no overlap (repeat)"] == 0.0
+    # what the space leaves out is in the report, with why; none of it was searched
+    assert "fp8_buf" in res.report["meta"]["left_out_of_space"]
+    assert not any("fp8_buf" in label for labels in res.report["meta"]["space"].values() for label in labels)
 
 
 WRONG = "fc2_fprop: pipeline sm=8 cga=2 splits=4"  # the designed optimum of fakes.gemm_cost_ms

@@ -26,6 +26,7 @@ from megatron_tp_overlap.engine.numerics import rel_diff
 from megatron_tp_overlap.engine.report import build_report, render_summary, summary_rows
 from megatron_tp_overlap.engine.search import Measurement, Searcher, SearchOptions, SearchResult, Trial, TrialFailed
 from megatron_tp_overlap.engine.space import (
+    LEFT_OUT,
     Option,
     SpaceSpec,
     TuningConfig,
@@ -443,6 +444,7 @@ class Autotuner:
             "numerics_rel_error": self.numerics,
             "numerics_guard": self._guard_off or f"on (tolerance {self.tolerance():.3g})",
             "space": {g: [o.label for o in opts] for g, opts in space.items()},
+            "left_out_of_space": LEFT_OUT,
         }
         report = build_report(result, self.topology, meta)
         summary = render_summary(summary_rows(result, self.topology), result)
