@@ -164,6 +164,10 @@ def run_case(
                 "switches": auto.switches,
                 "chosen": auto.best.to_dict(),
                 "decision": auto.search.reason,
+                # what the selection round measured per contender (gain over the reference, ms) and the whole
+                # tuning report: why a repeat stopped at a preset shows
+                "selection_gain_ms": (auto.search.decision or {}).get("selection_gain_ms"),
+                "report": auto.report,
             }
         )
         log(auto.summary)
@@ -184,6 +188,8 @@ def run_case(
             "switches": ex.switches,
             "chosen": ex.best.to_dict(),
             "decision": ex.search.reason,
+            "selection_gain_ms": (ex.search.decision or {}).get("selection_gain_ms"),
+            "report": ex.report,
         }
         contenders["slot-exhaustive best"] = ex.best
     sw = tuner.switcher  # the last tuner's switcher knows which config is live
