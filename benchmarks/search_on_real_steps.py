@@ -20,9 +20,10 @@ it: that needs a multi-GPU run.
 Runs alternate between seeds with a gain and ``equal`` seeds until ``--runs`` or ``--minutes`` is reached; each run's
 result is written as it ends (``search_on_real_steps.json``), and the table is printed last. ``--preset``: worlds with
 2-3 truly faster options and a preset-like whole config among the contenders, between the reference and the best (as
-``decision_sim --preset``; on H200 the closest NeMo preset ran 1-2% behind the best config). ``--select-passes 1 3``:
-each seed searched once per value of ``SearchOptions.select_passes`` on the same world, in alternating order (a
-paired comparison of the selection runoff on the same real steps).
+``decision_sim --preset``; on H200 the closest NeMo preset ran 1-2% behind the best config). ``--variants
+select_passes=1 select_passes=3`` (or ``--select-passes 1 3``): each seed searched once per variant of the search
+options on the same world, in alternating order (a paired comparison on the same real steps); ``--variants
+max_steps=400 max_steps=0``: the old 400-step limit against the seconds alone.
 """
 
 from __future__ import annotations
@@ -160,7 +161,7 @@ def probe_delays(real: RealSteps) -> dict:
     return out
 
 
-def one_search(real: RealSteps, seed: int, gain: float, preset: bool = False, select_passes: int | None = None) -> dict:
+def one_search(real: RealSteps, seed: int, gain: float, preset: bool = False, variant: str = "") -> dict:
     from megatron_tp_overlap.engine import heap
     from megatron_tp_overlap.engine.search import Searcher, SearchOptions
     from megatron_tp_overlap.engine.space import TuningConfig, all_off, build_space
@@ -174,7 +175,7 @@ def one_search(real: RealSteps, seed: int, gain: float, preset: bool = False, se
     baselines = {"no overlap": all_off(real.topo, ref)}
     if preset and (p := sim.preset_of(world, space, ref)) is not None:
         baselines["preset"] = p
-    options = SearchOptions() if select_passes is None else SearchOptions(select_passes=select_passes)
+    options = SearchOptions(**parse_variant(variant))
     real.start(world)
     with heap.frozen():  # as tuning does
         res = Searcher(real.topo, space, real, sim.CTX, options).run(ref, baselines)
@@ -184,7 +185,9 @@ def one_search(real: RealSteps, seed: int, gain: float, preset: bool = False, se
     decided = next((c.config for c in res.contenders if c.name == d.get("candidate")), ref)
     return {
         "seed": seed,
+        "variant": variant or "defaults",
         "select_passes": options.select_passes,
+        "max_steps": options.max_steps,
         "preset_excess_pct": round(100 * (world.step_ms(baselines["preset"]) - best_ms) / sim.STEP_MS, 3)
         if "preset" in baselines
         else None,  # the preset-like contender's true cost over the best config, % of the step
@@ -213,6 +216,25 @@ def one_search(real: RealSteps, seed: int, gain: float, preset: bool = False, se
         },
         "selection_gain_ms": d.get("selection_gain_ms"),
     }
+
+
+def parse_variant(variant: str) -> dict[str, int]:
+    """``"max_steps=400,select_passes=1"`` -> SearchOptions overrides; a key SearchOptions lacks raises."""
+    from megatron_tp_overlap.engine.search import SearchOptions
+
+    out = {}
+    for kv in filter(None, variant.split(",")):
+        k, _, v = kv.partition("=")
+        if k not in {f.name for f in dataclasses.fields(SearchOptions)} or not v.lstrip("-").isdigit():
+            raise SystemExit(f"--variants {variant!r}: {kv!r} must be KEY=INT with KEY a SearchOptions field")
+        out[k] = int(v)
+    SearchOptions(**out)  # its own rules
+    return out
+
+
+def variant_of(run: dict) -> str:
+    """The run's variant; runs of earlier trees recorded only their select_passes."""
+    return run.get("variant") or f"select_passes={run.get('select_passes')}"
 
 
 def confirm_blocks(trials: list) -> list[list]:
@@ -250,7 +272,7 @@ def inner(
     argv: list[str],
     trial_microbatches: int = 0,
     preset: bool = False,
-    select_passes: tuple[int, ...] = (),
+    variants: tuple[str, ...] = (),
 ) -> None:
     import megatron.training.training as training
     import torch
@@ -280,7 +302,7 @@ def inner(
         real = RealSteps(steps, modules, topo, delays, idle_s, step_ms / sim.STEP_MS)
         result = {"megatron_args": argv[1:], "step_ms": step_ms, "ms_per_cycle": delays.per_cycle, "idle_s": idle_s}
         result["trial_microbatches"] = steps.n_mb
-        result["preset"], result["select_passes"] = preset, list(select_passes)
+        result["preset"], result["variants"] = preset, list(variants)
         result["runs"] = []
         result["probe"] = probe_delays(real)  # the put-in delay, measured on whole steps
         delays.set({})
@@ -288,10 +310,10 @@ def inner(
             if time.perf_counter() - t_start > 60 * minutes:
                 break
             gain = random.Random(first_seed + i).uniform(*gains) / 100 if i % 2 == 0 else 0.0
-            variants = list(select_passes) or [None]
+            order = list(variants) or [""]
             if i % 4 >= 2:  # each kind of seed runs the variants in both orders (drift over the pair cancels)
-                variants.reverse()
-            for v in variants:
+                order.reverse()
+            for v in order:
                 rec = one_search(real, first_seed + i, gain, preset, v)
                 rec["wall_s"] = round(time.perf_counter() - t_start, 1)
                 result["runs"].append(rec)
@@ -330,7 +352,7 @@ def summarize(runs: list[dict]) -> dict:
 
 def table(result: dict) -> str:
     rows = [
-        "| seed | select passes | kind | gain put in, % | preset behind best, % | autotuned behind best, % | realized | "
+        "| seed | variant | kind | gain put in, % | preset behind best, % | autotuned behind best, % | realized | "
         "true excess % | chosen | "
         "steps | s | switches | decision: gain measured ms (put in) | +- % of step |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -341,7 +363,7 @@ def table(result: dict) -> str:
         auto = r.get("contenders_behind_best_pct", {}).get("autotuned")
         auto = "-" if auto is None else f"{auto:.2f}"
         rows.append(
-            f"| {r['seed']} | {r.get('select_passes', '-')} | {r['kind']} | {r['available_gain_pct']:.2f} | {pre} | {auto} | "
+            f"| {r['seed']} | {variant_of(r)} | {r['kind']} | {r['available_gain_pct']:.2f} | {pre} | {auto} | "
             f"{real} | {r['excess_pct']:+.2f} | {r['chosen']} | {r['steps']} | {r['seconds']} | {r['switches']} | "
             f"{r['decision_gain_ms']} ({r['true_gain_of_decided_ms']}) | {r['decision_half_width_pct']} |"
         )
@@ -351,10 +373,10 @@ def table(result: dict) -> str:
         f"step {result['step_ms']:.1f} ms; put-in delays measured: 'no overlap' {pr['no overlap_ms']:.2f} ms vs "
         f"reference {pr['reference_ms']:.2f} ms, put in {pr['true_difference_ms']:.2f} ms apart",
     ]
-    for v in sorted({r.get("select_passes") for r in result["runs"]}, key=str):
-        s = summarize([r for r in result["runs"] if r.get("select_passes") == v])
+    for v in sorted({variant_of(r) for r in result["runs"]}):
+        s = summarize([r for r in result["runs"] if variant_of(r) == v])
         rows += [
-            f"select passes {v}: seeds with a gain: {s['runs_with_gain']}, realized mean {100 * s['realized_mean']:.1f}%, "
+            f"{v}: seeds with a gain: {s['runs_with_gain']}, realized mean {100 * s['realized_mean']:.1f}%, "
             f"min {100 * s['realized_min']:.1f}%; worst true excess over the reference {s['worst_excess_pct']:+.2f}%; "
             f"equal seeds: {s['equal_runs']}, false winners {s['false_winners']}; "
             f"median {s['steps_median']:.0f} steps, {s['seconds_median']:.1f} s, {s['switches_median']:.0f} switches",
@@ -396,7 +418,15 @@ def main() -> None:
         nargs="*",
         default=[],
         metavar="N",
-        help="search each seed once per value of SearchOptions.select_passes (default: the option's default, once)",
+        help="the same as --variants select_passes=N ...",
+    )
+    p.add_argument(
+        "--variants",
+        nargs="*",
+        default=[],
+        metavar="KEY=INT[,KEY=INT]",
+        help="search each seed once per variant of the search options, e.g. max_steps=400 max_steps=0 (default: the "
+        "defaults, once)",
     )
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     add_trial_microbatches(p)
@@ -414,7 +444,7 @@ def main() -> None:
             rest,
             a.trial_microbatches,
             a.preset,
-            tuple(a.select_passes),
+            tuple(a.variants),
         )
         return
     from megatron_autotune import FP8_ARGS, one_gpu_args
@@ -424,9 +454,12 @@ def main() -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", __file__, "--inner", "--out", str(out)]
     cmd += ["--trial-microbatches", str(a.trial_microbatches)]
     cmd += ["--runs", str(a.runs), "--minutes", str(a.minutes), "--idle-s", str(a.idle_s)]
+    variants = a.variants + [f"select_passes={n}" for n in a.select_passes]
+    for v in variants:
+        parse_variant(v)  # a typo fails here, before any GPU work
     cmd += (["--preset"] if a.preset else []) + (
-        ["--select-passes", *map(str, a.select_passes)] if a.select_passes else []
-    )  # before the options below: "--select-passes 1 3 SCRIPT" would take the script for a value
+        ["--variants", *variants] if variants else []
+    )  # before the options below: "--variants A B SCRIPT" would take the script for a value
     cmd += ["--first-seed", str(a.first_seed), "--gain-pct", *map(str, a.gain_pct), a.script, *args]
     print(" ".join(cmd), flush=True)
     rc = subprocess.run(cmd).returncode

@@ -338,7 +338,11 @@ CATALOG: list[tuple[str, Callable[[], str], tuple[str, ...]]] = [
         ),
         ("fp16 sums come out wrong",),
     ),
-    ("megatron: zero step budget", lambda: megatron_error(tp_comm_overlap_autotune_steps=0), ("-steps = 0", ">= 1")),
+    (
+        "megatron: negative step limit",
+        lambda: megatron_error(tp_comm_overlap_autotune_steps=-1),
+        ("-steps = -1", ">= 0"),
+    ),
     (
         "megatron: unwritable output",
         lambda: megatron_error(tp_comm_overlap_autotune_output=f"{UNWRITABLE}/t.yaml"),

@@ -119,7 +119,7 @@ def test_the_config_is_bridges_own_plus_the_options(bridge):
     "kw, needle",
     [
         (dict(tp_comm_overlap=False), "needs comm_overlap.tp_comm_overlap=true"),
-        (dict(tp_comm_overlap=True, tp_comm_overlap_autotune_steps=0), "tp_comm_overlap_autotune_steps = 0"),
+        (dict(tp_comm_overlap=True, tp_comm_overlap_autotune_steps=-1), "tp_comm_overlap_autotune_steps = -1"),
         (dict(tp_comm_overlap=True, tp_comm_overlap_autotune_seconds=-5), "tp_comm_overlap_autotune_seconds = -5"),
         (dict(tp_comm_overlap=True, tp_comm_overlap_autotune_strategy="random"), "must be one of coordinate"),
     ],

@@ -53,7 +53,7 @@ def test_flags_parse_with_defaults():
     p = add_arguments(argparse.ArgumentParser())
     a = p.parse_args(["--tp-comm-overlap-autotune", "--tp-comm-overlap-autotune-seconds", "30"])
     assert a.tp_comm_overlap_autotune and a.tp_comm_overlap_autotune_seconds == 30.0
-    assert a.tp_comm_overlap_autotune_strategy == "coordinate" and a.tp_comm_overlap_autotune_steps == 400
+    assert a.tp_comm_overlap_autotune_strategy == "coordinate" and a.tp_comm_overlap_autotune_steps == 0
     with pytest.raises(SystemExit):
         p.parse_args(["--tp-comm-overlap-autotune-strategy", "random"])
 
@@ -71,7 +71,7 @@ def test_good_combination_has_no_problems(tmp_path):
         (dict(tensor_model_parallel_size=1), "needs --tensor-model-parallel-size >= 2 (got 1)"),
         (dict(transformer_impl="local"), "Transformer Engine"),
         (dict(fp16=True, bf16=False), "fp16 overlap gives wrong sums"),
-        (dict(tp_comm_overlap_autotune_steps=0), "--tp-comm-overlap-autotune-steps = 0: must be"),
+        (dict(tp_comm_overlap_autotune_steps=-1), "--tp-comm-overlap-autotune-steps = -1: must be"),
         (dict(tp_comm_overlap_autotune_seconds=-1.0), "--tp-comm-overlap-autotune-seconds = -1.0: must be"),
         (dict(tp_comm_overlap_autotune_seconds=float("nan")), "-seconds = nan: must be a finite number"),
         (dict(tp_comm_overlap_autotune_trial_timeout=0.0), "-trial-timeout = 0.0"),

@@ -128,8 +128,8 @@ def test_takes_nemos_arguments_plus_the_autotune_options(nemo):
     [
         (dict(), "tp_comm_overlap_autotune needs tp_comm_overlap=True"),
         (
-            dict(tp_comm_overlap=True, tp_comm_overlap_autotune_steps=0),
-            "tp_comm_overlap_autotune_steps = 0: must be >= 1",
+            dict(tp_comm_overlap=True, tp_comm_overlap_autotune_steps=-1),
+            "tp_comm_overlap_autotune_steps = -1: must be >= 0",
         ),
         (dict(tp_comm_overlap=True, tp_comm_overlap_autotune_rtol=0), "tp_comm_overlap_autotune_rtol = 0: must be a"),
         (dict(tp_comm_overlap=True, tp_comm_overlap_autotune_strategy="grid"), "must be one of coordinate"),

@@ -10,12 +10,12 @@ from megatron_tp_overlap.integrations.megatron.flags import flag_name
 
 def test_every_rule_names_the_option_as_typed():
     bad = dataclasses.replace(
-        TuneOptions(), seconds=float("inf"), steps=0, strategy="greedy", rtol=0.9, trial_timeout=-1.0
+        TuneOptions(), seconds=float("inf"), steps=-1, strategy="greedy", rtol=0.9, trial_timeout=-1.0
     )
     p = "\n".join(bad.problems(lambda k: f"tp_overlap.{k}"))
     for needle in (
         "tp_overlap.seconds = inf: must be a finite number > 0",
-        "tp_overlap.steps = 0: must be >= 1",
+        "tp_overlap.steps = -1: must be >= 0",
         "tp_overlap.strategy = 'greedy': must be one of coordinate",
         "tp_overlap.rtol = 0.9: must be <= 0.5",
         "tp_overlap.trial_timeout = -1.0",

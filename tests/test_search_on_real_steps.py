@@ -6,6 +6,8 @@ import random
 import sys
 from pathlib import Path
 
+import pytest
+
 from megatron_tp_overlap.engine.search import SearchOptions
 from megatron_tp_overlap.engine.space import TuningConfig, all_off, apply, build_space
 from megatron_tp_overlap.tools import decision_sim as sim
@@ -76,11 +78,15 @@ def test_a_search_is_scored_against_the_truth():
     assert s["worst_excess_pct"] == max(gain["excess_pct"], equal["excess_pct"])
 
 
-def test_a_preset_world_scores_the_preset_and_each_select_passes_value_runs_on_the_same_world():
+def test_a_preset_world_scores_the_preset_and_each_variant_runs_on_the_same_world():
     """--preset: a preset-like contender between the reference and the best (its true distance to the best is in the
-    record); --select-passes: the same seed and world under each value, told apart in the table."""
-    recs = [sr.one_search(SimulatedReal(), 1003, 0.04, preset=True, select_passes=v) for v in (1, 3)]
-    assert [r["select_passes"] for r in recs] == [1, 3]
+    record); --variants: the same seed and world under each variant of the search options, told apart in the table."""
+    variants = ("select_passes=1", "select_passes=3,max_steps=400")
+    recs = [sr.one_search(SimulatedReal(), 1003, 0.04, preset=True, variant=v) for v in variants]
+    assert [(r["variant"], r["select_passes"], r["max_steps"]) for r in recs] == [
+        (variants[0], 1, SearchOptions().max_steps),
+        (variants[1], 3, 400),
+    ]
     assert all(r["preset_excess_pct"] is not None and r["preset_excess_pct"] > 0 for r in recs)
     assert recs[0]["preset_excess_pct"] == recs[1]["preset_excess_pct"]  # one world
     assert recs[0]["available_gain_pct"] == recs[1]["available_gain_pct"]
@@ -91,13 +97,23 @@ def test_a_preset_world_scores_the_preset_and_each_select_passes_value_runs_on_t
     assert all("preset" in {b[0] for b in r["confirm_blocks"]} or r["chosen"] != "preset" for r in recs)
     plain = sr.one_search(SimulatedReal(), 1003, 0.04)
     assert plain["preset_excess_pct"] is None and plain["select_passes"] == SearchOptions().select_passes
+    assert plain["variant"] == "defaults"
     result = {
         "runs": recs,
         "step_ms": 100.0,
         "probe": {"no overlap_ms": 1.0, "reference_ms": 1.0, "true_difference_ms": 0.0},
     }
     text = sr.table(result)
-    assert "select passes 1:" in text and "select passes 3:" in text
+    assert f"{variants[0]}: seeds" in text and f"{variants[1]}: seeds" in text
+    old = dict(recs[0], select_passes=1)  # a run of an earlier tree: no variant recorded
+    del old["variant"]
+    assert sr.variant_of(old) == "select_passes=1"
+
+
+@pytest.mark.parametrize("bad", ["max_step=400", "max_steps=many", "max_steps=-1", "select_passes"])
+def test_a_bad_variant_is_refused_with_its_key(bad):
+    with pytest.raises((SystemExit, ValueError), match="max_step|select_passes"):
+        sr.parse_variant(bad)
 
 
 def test_a_tp1_megatron_gpt_is_seen_with_the_simulators_slots():

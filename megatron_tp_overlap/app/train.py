@@ -98,7 +98,8 @@ def overlap_flags(cfg: Any, run_dir: Path) -> tuple[list[str], str]:
     output = ov.output or str(run_dir / TUNED_YAML_NAME)
     flags += ["--tp-comm-overlap-autotune", *option_flags(ov), "--tp-comm-overlap-autotune-output", output]
     return flags, (
-        f"tuning the TP overlap config live from {given} (budget {ov.seconds:g} s / {ov.steps} steps"
+        f"tuning the TP overlap config live from {given} (budget {ov.seconds:g} s"
+        + (f" / {ov.steps} steps" if ov.steps else "")
         + ("; a config tuned before for this shape is reused" if ov.reuse else "")
         + ")"
     )

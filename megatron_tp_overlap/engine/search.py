@@ -64,6 +64,7 @@ class Searcher:
         self.steps_run = 0
         self.elapsed_s = 0.0
         self.budget_hit = False
+        self.limit_hit: str | None = None  # the bound that first stopped a trial: "time" or "step"
         self.cut_short: str | None = None  # what the budget left unmeasured in the search, when it did
         self.planned_trials = 0
         self.block_steps = self.opt.block_steps  # of the final decision (plan_decision may shrink it)
@@ -93,12 +94,16 @@ class Searcher:
         one switch for the final config. Seconds are measured (:meth:`_rates`): the budget is a hard cap on the
         trials."""
         need = Work(steps + self.opt.warmup_steps, 1) + (reserve or Work()) + Work(0, 1)
-        ok = self.steps_run + need.steps <= self.opt.max_steps and self.elapsed_s + self._seconds(need) <= (
-            self.opt.max_seconds
-        )
+        steps_ok = need.steps <= self.opt.steps_left(self.steps_run)
+        ok = steps_ok and self.elapsed_s + self._seconds(need) <= self.opt.max_seconds
         if not ok:
             self.budget_hit = True
+            self.limit_hit = self.limit_hit or ("time" if steps_ok else "step")
         return ok
+
+    def _raise_hint(self) -> str:
+        """What to raise when the budget stopped the search: the bound that ran out."""
+        return "raise the step limit" if self.limit_hit == "step" else "raise the time budget"
 
     def _seconds(self, w: Work) -> float:
         step_s, switch_s, continuing_s = self._rates()
@@ -355,7 +360,7 @@ class Searcher:
                 f"screened, {len(survivors) - unhalved} of {len(survivors)} re-measured"
                 + (
                     f" (at {per_trial:.2f} s per trial the whole search needs about "
-                    f"{self.planned_trials * per_trial:.0f} s: raise the time budget, or shorten the trial steps)"
+                    f"{self.planned_trials * per_trial:.0f} s: {self._raise_hint()}, or shorten the trial steps)"
                     if per_trial > 0
                     else ""
                 )
@@ -468,9 +473,9 @@ class Searcher:
         undecided: TuningConfig | None = None
         if not sel and self.budget_hit:  # nothing to compare: say why, not "no config was faster"
             reason = (
-                f"the budget ({self.opt.max_steps} steps, {self.opt.max_seconds:g} s) ran out before any candidate was "
-                f"measured against the reference ({self.steps_run} steps, {self.elapsed_s:.1f} s run): keeping the "
-                "reference (raise the budget)"
+                f"the budget ({self.opt.budget_text()}) ran out before any candidate was measured against the "
+                f"reference ({self.steps_run} steps, {self.elapsed_s:.1f} s run): keeping the reference "
+                f"({self._raise_hint()})"
             )
         while eligible:
             best = min(eligible, key=lambda c: sel[c.name])
@@ -501,7 +506,7 @@ class Searcher:
             elif decision["quadruples"] < self.opt.min_quads:
                 reason = (
                     f"best was {best.name}, but the budget left {decision['quadruples']} ABBA quadruples of the "
-                    f"{self.opt.min_quads} a decision needs: keeping the reference (raise the time budget)"
+                    f"{self.opt.min_quads} a decision needs: keeping the reference ({self._raise_hint()})"
                 )
             else:
                 reason = (
@@ -598,9 +603,7 @@ class Searcher:
 
         def too_long(b: int) -> bool:
             w = o.decision_work(contenders, b)
-            return (
-                w.steps > (o.max_steps - self.steps_run) / 2 or self._seconds(w) > (o.max_seconds - self.elapsed_s) / 2
-            )
+            return w.steps > o.steps_left(self.steps_run) / 2 or self._seconds(w) > (o.max_seconds - self.elapsed_s) / 2
 
         self.block_steps = o.block_steps
         while self.block_steps > 1 and too_long(self.block_steps):

@@ -47,7 +47,7 @@ class Work:
 @dataclass(frozen=True)
 class SearchOptions:
     strategy: str = TuneOptions.strategy  # one of STRATEGIES
-    max_steps: int = TuneOptions.steps  # trial steps in all, warmups and confirmation included
+    max_steps: int = TuneOptions.steps  # trial steps in all, warmups and confirmation included; 0: no limit
     max_seconds: float = TuneOptions.seconds
     # Screening is a coarse pass (one measured step per option, at the same position after a switch as the
     # incumbent's brackets); halving re-measures each GEMM's best with 4 steps, and the final ABBA decision guards the
@@ -76,8 +76,9 @@ class SearchOptions:
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy = {self.strategy!r}: must be one of {', '.join(STRATEGIES)}")
+        if self.max_steps < 0:
+            raise ValueError(f"max_steps = {self.max_steps}: must be >= 0 (0: no step limit)")
         for k in (
-            "max_steps",
             "screen_steps",
             "keep",
             "halving_steps",
@@ -96,6 +97,14 @@ class SearchOptions:
             )
         if not 0.5 <= self.level < 1:
             raise ValueError(f"level = {self.level}: must be in [0.5, 1)")
+
+    def steps_left(self, steps_run: int) -> float:
+        """Trial steps the step limit still allows (infinite without one)."""
+        return self.max_steps - steps_run if self.max_steps else math.inf
+
+    def budget_text(self) -> str:
+        """The budget as a user set it: '60 s', or '400 steps / 60 s' with a step limit."""
+        return (f"{self.max_steps} steps / " if self.max_steps else "") + f"{self.max_seconds:g} s"
 
     def decision_work(self, contenders: int, block_steps: int | None = None) -> Work:
         """What the final decision needs at least: a selection round over ``contenders`` (the reference bracketing

@@ -413,7 +413,7 @@ class Autotuner:
             f"[tp-overlap-autotune] {len(self.modules)} overlap modules, slots: "
             + ", ".join(f"{s}({len(g)})" for s, g in self.topology.slots().items())
             + f"; {n_opts} options over {len(space)} GEMMs; strategy={self.options.strategy}, "
-            f"budget {self.options.max_steps} steps / {self.options.max_seconds:.0f} s"
+            f"budget {self.options.budget_text()}"
         )
         searcher = Searcher(
             self.topology,

@@ -43,6 +43,7 @@ STEP_MS = 100.0  # reference step
 GEMM_MS = 3.0  # each of the 12 GEMMs (+ its communication) under the reference: 36 ms of the step in slots
 OFF_MS = 4.5  # a GEMM with overlap off
 SLOT_NOISE = 0.005  # relative GPU noise per slot and step
+DISTURBED_STEPS = 400  # the steps the disturbances are laid over (jump: its middle third), where searches run (140-200)
 SCENARIOS = ("iid", "ramp", "jump", "periodic", "position", "jitter", "power", "locked")
 
 
@@ -83,7 +84,7 @@ def make_world(space: dict[str, list[Option]], gain: float, rng: random.Random, 
 
 
 def disturbance(
-    scenario: str, budget_steps: int, phase: float = 0.0
+    scenario: str, span_steps: int, phase: float = 0.0
 ) -> Callable[[int, int, random.Random], tuple[float, float, float]]:
     """Per step (index since tuning began, index since the last switch): (factor on GPU time, extra host ms on
     the step, relative GPU noise per slot)."""
@@ -93,8 +94,8 @@ def disturbance(
             return 1.0, 0.0, 0.02
         if scenario == "ramp":  # 0.03% faster per step (clocks, caches warming up): what is measured late looks fast
             return 1 - 3e-4 * i, 0.0, SLOT_NOISE
-        if scenario == "jump":  # +25% for the middle third of the budget
-            return (1.25 if budget_steps / 3 <= i < 2 * budget_steps / 3 else 1.0), 0.0, SLOT_NOISE
+        if scenario == "jump":  # +25% for the middle third of the disturbed steps
+            return (1.25 if span_steps / 3 <= i < 2 * span_steps / 3 else 1.0), 0.0, SLOT_NOISE
         if scenario == "periodic":  # every 7th step 15% slower (a GC, a logger, a data loader)
             return (1.15 if i % 7 == 3 else 1.0), 0.0, SLOT_NOISE
         if scenario == "position":  # after a switch: 1% slower per step (clocks settle), the 3rd step 8% slower
@@ -114,10 +115,10 @@ def disturbance(
 class SimulatedRun:
     """``evaluate`` for the searcher: steps of a config under the scenario's disturbances. Seconds = steps x 0.1."""
 
-    def __init__(self, world: World, scenario: str, rng: random.Random, budget_steps: int):
+    def __init__(self, world: World, scenario: str, rng: random.Random, span_steps: int = DISTURBED_STEPS):
         self.world, self.rng, self.i, self.since, self.live = world, rng, 0, 0, None
         phase = rng.uniform(0, 2 * math.pi) if scenario == "power" else 0.0  # where in its period the run starts
-        self.disturb = disturbance(scenario, budget_steps, phase)
+        self.disturb = disturbance(scenario, span_steps, phase)
 
     def __call__(self, config: TuningConfig, steps: int, warmup: int) -> Measurement:
         if config != self.live:
@@ -186,7 +187,7 @@ def run_once(
     space = build_space(TOPO, CTX, [UbConfig()])
     world = make_world(space, gain, rng, fewest=2 if preset else 1)
     ref = TuningConfig(UbConfig(), frozenset(), "reference")
-    run = SimulatedRun(world, scenario, rng, options.max_steps)
+    run = SimulatedRun(world, scenario, rng)
     baselines = {"no overlap": all_off(TOPO, ref)}
     if preset and (p := preset_of(world, space, ref)) is not None:
         baselines["preset"] = p
