@@ -50,14 +50,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def kernel_counts(step) -> dict[str, int]:
-    """Kernels / copies of one step by family, from the torch profiler."""
+def kernel_counts(step) -> dict:
+    """Kernels / copies of one step by family, from the torch profiler, and the distinct names of those kernels
+    (``names``: the same counts can hide different kernels, e.g. a bulk dgrad against a pipelined reduce-scatter)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
     counts = {"userbuffers": 0, "nccl": 0, "p2p_memcpy": 0}
+    names = set()
     for e in prof.events():
         name = e.name.lower()
         if "userbuffers" in name or "kuserbuffers" in name:
@@ -66,13 +68,17 @@ def kernel_counts(step) -> dict[str, int]:
             counts["nccl"] += 1
         elif "memcpy" in name and "ptop" in name.replace(" ", ""):
             counts["p2p_memcpy"] += 1
-    return counts
+        else:
+            continue
+        names.add(e.name[:120])
+    return {**counts, "names": sorted(names)}
 
 
-def flag_kernel_check(model, step, sw, topo, reference, no_overlap) -> dict:
-    """Show that TE follows the module flags set between steps: for each GEMM switched off alone,
-    the step's userbuffers kernels/copies drop and NCCL kernels appear."""
-    from megatron_tp_overlap.engine.space import TuningConfig
+def flag_kernel_check(model, step, sw, topo, reference, no_overlap, space=None) -> dict:
+    """Show that TE follows the module flags set between steps: for each GEMM switched off alone (and each kind,
+    and all of them: "no overlap"), the step's userbuffers kernels/copies drop and NCCL kernels appear; for qkv/fc1
+    dgrad flipped live from bulk to GEMM + reduce-scatter (the first such option of ``space``), other kernels run."""
+    from megatron_tp_overlap.engine.space import TuningConfig, apply
     from megatron_tp_overlap.integrations.megatron.flags import KIND_SWITCHES
 
     out = {}
@@ -81,7 +87,13 @@ def flag_kernel_check(model, step, sw, topo, reference, no_overlap) -> dict:
         for n, k in KIND_SWITCHES.items()
         if k.gemms & topo.active
     ]
-    for name, cfg in [("all on (TE default)", reference), ("all off", no_overlap), *kinds] + [
+    flips = []
+    for g in ("qkv_dgrad", "fc1_dgrad"):
+        rs = [o for o in (space or {}).get(g, []) if o.enabled and o.cfg]
+        rs = [c for c in (apply(reference, o, topo) for o in rs) if c.ub.dgrad_is_reduce_scatter(g)]
+        if rs and not reference.ub.dgrad_is_reduce_scatter(g):
+            flips.append((f"dgrad flipped to GEMM+RS: {g}", rs[0]))
+    for name, cfg in [("all on (TE default)", reference), ("all off", no_overlap), *kinds, *flips] + [
         (
             f"off: {','.join(sorted(topo.coupled(g) or {g}))}",
             TuningConfig(reference.ub, frozenset(topo.coupled(g) or {g})),
@@ -273,7 +285,8 @@ def main() -> None:
     flags = None
     if args.check_flags:
         try:
-            flags = flag_kernel_check(model, step, sw, topo, reference, no_overlap)
+            space = build_space(topo, tuner.ctx, [reference])
+            flags = flag_kernel_check(model, step, sw, topo, reference, no_overlap, space)
         except Exception as e:  # noqa: BLE001 - evidence, not the point of the run
             flags = {"error": f"{type(e).__name__}: {e}"}
 

@@ -53,6 +53,18 @@ def test_engine_tunes_switches_and_matches_no_overlap(tmp_path):
         off = k[f"kind off: {name}"]
         assert off["userbuffers"] + off["p2p_memcpy"] < on["userbuffers"] + on["p2p_memcpy"], (name, off, on)
         assert off["nccl"] > on["nccl"], (name, off, on)
+    # "no overlap" as a whole contender: no userbuffers kernel or copy runs, NCCL carries every TP collective
+    none = k["all off"]
+    assert none["userbuffers"] == none["p2p_memcpy"] == 0 and none["nccl"] > on["nccl"], (none, on)
+    # qkv/fc1 dgrad flipped live from bulk to GEMM + reduce-scatter: other communication kernels run
+    flips = [n for n in k if n.startswith("dgrad flipped")]
+    assert len(flips) == 2, sorted(k)
+    for n in flips:
+        assert k[n]["userbuffers"] > 0 and (k[n]["names"], k[n]["userbuffers"], k[n]["p2p_memcpy"]) != (
+            on["names"],
+            on["userbuffers"],
+            on["p2p_memcpy"],
+        ), (n, k[n], on)
     assert d["numerics"]["passed"], d["numerics"]["worst"]
     assert d["extra_switches"] >= 20 and d["tuning_switches"] >= 1
     assert d["stale_guard"]["refused"], "a switch with a live autograd graph must be refused"

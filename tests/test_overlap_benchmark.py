@@ -181,3 +181,30 @@ def test_the_exit_trace_names_what_holds_an_object():
     h.data = it
     chains = et.holders(it, depth=2)
     assert all(c.startswith("Iterator") for c in chains) and any("Holder" in c for c in chains), chains
+
+
+def test_the_kernel_check_covers_no_overlap_each_kind_and_the_dgrad_flipped_live(monkeypatch):
+    """engine_tune's profiler check (run on 2 GPUs by tests/test_gpu_engine.py) profiles every toggle the search may
+    choose: each GEMM and each kind off, "no overlap" as a whole, and qkv/fc1 dgrad flipped from bulk to GEMM +
+    reduce-scatter; the live config is the reference again afterwards."""
+    import fakes
+
+    from megatron_tp_overlap.engine.space import TuningConfig, all_off, build_space
+    from megatron_tp_overlap.engine.topology import build_topology, find_overlap_modules
+    from megatron_tp_overlap.ub.config import UbConfig
+    from megatron_tp_overlap.ub.rules import ValidationContext
+
+    et = _load("engine_tune")
+    topo = build_topology(find_overlap_modules(fakes.fake_model(layers=2)))
+    reference = TuningConfig(UbConfig(), frozenset(), "TE default")
+    space = build_space(topo, ValidationContext(sm_count=132, tp_size=2), [UbConfig()])
+    applied = []
+    sw = type("Sw", (), {"apply": lambda self, c: applied.append(c)})()
+    monkeypatch.setattr(et, "kernel_counts", lambda step: {"config": applied[-1]})
+    out = et.flag_kernel_check(None, lambda: None, sw, topo, reference, all_off(topo, reference), space)
+    assert out["all off"]["config"] == all_off(topo, reference) and applied[-1] == reference
+    assert {"kind off: AG overlap", "kind off: RS overlap", "kind off: bulk dgrad", "kind off: bulk wgrad"} <= set(out)
+    for g in ("qkv_dgrad", "fc1_dgrad"):
+        cfg = out[f"dgrad flipped to GEMM+RS: {g}"]["config"]
+        assert cfg.ub.dgrad_is_reduce_scatter(g) and not reference.ub.dgrad_is_reduce_scatter(g)
+        assert not cfg.disabled
