@@ -282,13 +282,14 @@ def main() -> None:
             "state_check": r.get("state_check"),
             "numerics_guard": r["meta"].get("numerics_guard"),
             "reinit_s_median": r["meta"].get("reinit_s_median"),
+            "reinit_phases_s_median": r["meta"].get("reinit_phases_s_median"),
             "in_run_verification": r.get("in_run_verification"),
         }
         d, v = r["decision"], r.get("in_run_verification") or {}
         dec = d.get("abba") or {}
         print(
             f"[{tag}] tuning {r['meta']['wall_s']:.1f} s (budget {a.budget_s:g} s), {r['meta']['switches']} switches, "
-            f"re-init median {r['meta'].get('reinit_s_median')} s; chose {d['chosen']}; decision noise "
+            f"re-init median {r['meta'].get('reinit_s_median')} s {r['meta'].get('reinit_phases_s_median')}; chose {d['chosen']}; decision noise "
             f"{dec.get('noise_pct_of_step')}% of a step; {d['reason']}",
             flush=True,
         )

@@ -77,6 +77,13 @@ def test_switcher_reinitializes_only_when_ub_cfgs_change(fake_te):
     assert sw.reinits == 3 and fake_te.destroys == 2
     sw.restore_built_flags()
     assert all(m.module.ub_overlap_ag_fprop for m in mods if m.name == "qkv")
+    # each re-init's seconds by phase (the first had nothing to release); they add up to its total
+    assert len(sw.reinit_phases) == 3 and set(sw.reinit_phases[0]) == set(ub_runtime.REINIT_PHASES)
+    assert sw.reinit_phases[0]["destroy"] == 0.0 and sw.reinit_phases[0]["initialize"] > 0
+    for ph, total in zip(sw.reinit_phases, sw.reinit_seconds):
+        assert sum(ph.values()) == pytest.approx(total, abs=1e-3)
+    med = ub_runtime.reinit_phase_medians(sw.reinit_phases)
+    assert set(med) == set(ub_runtime.REINIT_PHASES) and ub_runtime.reinit_phase_medians([]) is None
 
 
 def test_switcher_refuses_while_an_old_communicator_is_referenced(fake_te):

@@ -168,6 +168,8 @@ def test_numerics_guard_follows_a_small_run_to_run_spread(fake_te):
     assert 0.005 < num["no overlap (repeat)"] < 0.03
     assert res.report["meta"]["numerics_guard"].startswith("on")
     assert tuner.tolerance() >= 3 * num["no overlap (repeat)"]
+    phases = res.report["meta"]["reinit_phases_s_median"]  # where a switch's seconds go, in every report
+    assert set(phases) == {"collect", "sync", "barrier", "destroy", "initialize"} and phases["initialize"] > 0
     assert WRONG not in res.best.describe()
 
 

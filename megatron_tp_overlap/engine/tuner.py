@@ -36,7 +36,7 @@ from megatron_tp_overlap.engine.space import (
     build_space,
     is_valid,
 )
-from megatron_tp_overlap.engine.switcher import UbInitArgs, UbSwitcher
+from megatron_tp_overlap.engine.switcher import UbInitArgs, UbSwitcher, reinit_phase_medians
 from megatron_tp_overlap.engine.topology import OverlapModule, Topology, build_topology, find_overlap_modules
 from megatron_tp_overlap.ub.config import BULK_DGRAD_GEMMS, UbConfig
 from megatron_tp_overlap.ub.presets import PRESETS
@@ -440,6 +440,7 @@ class Autotuner:
             "reinit_s_median": sorted(self.switcher.reinit_seconds)[len(self.switcher.reinit_seconds) // 2]
             if self.switcher.reinit_seconds
             else None,
+            "reinit_phases_s_median": reinit_phase_medians(self.switcher.reinit_phases),
             "wall_s": round(wall, 3),
             "numerics_rel_error": self.numerics,
             "numerics_guard": self._guard_off or f"on (tolerance {self.tolerance():.3g})",
