@@ -208,3 +208,36 @@ def test_the_kernel_check_covers_no_overlap_each_kind_and_the_dgrad_flipped_live
         cfg = out[f"dgrad flipped to GEMM+RS: {g}"]["config"]
         assert cfg.ub.dgrad_is_reduce_scatter(g) and not reference.ub.dgrad_is_reduce_scatter(g)
         assert not cfg.disabled
+
+
+def test_decision_blocks_replays_the_decision_for_each_block_size_and_value(tmp_path):
+    """The analysis of benchmarks/decision_blocks.py: smaller blocks are the first steps of each measured block, a
+    decision holds as many quadruples as its seconds pay for (a block's wall time less its unused steps), and the
+    sequence is cut into consecutive decisions; a step 5x slower once per block moves a median less than a mean."""
+    import random
+
+    from megatron_tp_overlap.engine import paired
+
+    db = _load("decision_blocks")
+    rng, blocks, prev = random.Random(0), [], None
+    for which in paired.abba(48):
+        ms = [50 + rng.gauss(0, 0.5) for _ in range(6)]
+        ms[rng.randrange(6)] *= 5  # one slow step per block, anywhere in it
+        switched = which != prev
+        blocks.append({"config": which, "after_switch": switched, "gpu_ms": ms, "wall_s": 0.3 * switched + 0.05 * 6})
+        prev = which
+    study = {"block": 6, "idle_s": 0.3, "blocks": blocks}
+    rows = {(r["block_steps"], r["block_value"]): r for r in db.analyze(study, [2, 6], decision_s=12.0)}
+    assert set(rows) == {(2, "median"), (2, "mean"), (6, "median"), (6, "mean")}
+    six, two = rows[(6, "median")], rows[(2, "median")]
+    assert six["quad_s"] == pytest.approx(2 * 0.3 + 4 * 6 * 0.05, rel=0.02)
+    assert two["quad_s"] == pytest.approx(six["quad_s"] - 4 * 4 * 0.05, rel=0.05)  # 4 unused steps per block
+    assert six["quads_per_decision"] == 6 and six["decisions"] == 8  # 12 s / 1.8 s -> 6; 48 quadruples
+    assert (
+        two["quads_per_decision"] == int(12.0 / two["quad_s"]) and two["decisions"] == 48 // two["quads_per_decision"]
+    )
+    assert rows[(6, "median")]["half_width_ms_median"] < rows[(6, "mean")]["half_width_ms_median"]
+    assert all(r["false_decisions"] <= r["decisions"] for r in rows.values())
+    assert "| 6 | median |" in db.table(list(rows.values()), 50.0, 12.0)
+    with pytest.raises(ValueError, match="block size 7"):
+        db.analyze(study, [7], decision_s=12.0)
