@@ -241,3 +241,13 @@ def test_decision_blocks_replays_the_decision_for_each_block_size_and_value(tmp_
     assert "| 6 | median |" in db.table(list(rows.values()), 50.0, 12.0)
     with pytest.raises(ValueError, match="block size 7"):
         db.analyze(study, [7], decision_s=12.0)
+
+
+def test_switch_cost_summary_gives_medians_per_heap_state():
+    sc = _load("switch_cost")
+    r = {"collect_s": [0.3, 0.4, 0.5], "sync_s": [0.0, 0.001, 0.0], "after_idle": [(0.06, 47.0)] * 3}
+    r["after_step"] = [(0.05, 47.5)] * 3
+    result = {"idle_s": 0.35, "freeze_count_at_start": 0, "tracked": 1000, "tracked_frozen": 10}
+    text = sc.summary({**result, "unfrozen": r, "frozen": {**r, "collect_s": [0.01, 0.02, 0.03]}})
+    assert "| unfrozen | 0.4000 | 0.0000 | 0.0600 / 47.00 | 0.0500 / 47.50 |" in text
+    assert "| frozen | 0.0200 |" in text and "1000 (frozen: 10)" in text

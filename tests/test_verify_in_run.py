@@ -279,19 +279,28 @@ def test_the_heap_is_frozen_from_the_first_iteration_to_the_verdict():
     assert gc.get_freeze_count() == before
 
 
-def test_a_heap_frozen_by_someone_else_is_left_as_it_is():
+def test_a_heap_frozen_in_part_by_someone_else_is_frozen_whole_and_their_freeze_is_kept():
+    """In Megatron-LM's process on an H100, 375 objects were frozen before tuning (by an import); skipping the freeze
+    then left 725,703 objects tracked and a 0.47 s collection per switch. The heap is frozen all the same, and their
+    freeze is not undone (``gc.unfreeze`` would thaw their objects too)."""
     import gc
 
     from megatron_tp_overlap.engine import heap
 
+    gc.unfreeze()
+    early = [[i] for i in range(10)]  # frozen by someone else before the block
     gc.freeze()
     try:
         n = gc.get_freeze_count()
+        late = [[i] for i in range(10_000)]  # alive when the block starts: the framework's model, optimizer, ...
         with heap.frozen():
-            assert gc.get_freeze_count() == n
-        assert gc.get_freeze_count() == n  # their freeze, not ours to undo
+            assert gc.get_freeze_count() >= n + len(late)
+            tracked = {id(o) for o in gc.get_objects()}  # the permanent generation is not in it
+            assert not any(id(x) in tracked for x in late)
+        assert gc.get_freeze_count() >= n  # their freeze, not ours to undo
     finally:
         gc.unfreeze()
+    del early, late
     with heap.frozen():
         assert gc.get_freeze_count() > 0
     assert gc.get_freeze_count() == 0
