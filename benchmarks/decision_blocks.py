@@ -134,23 +134,9 @@ def table(rows: list[dict], step_ms: float, decision_s: float) -> str:
 
 
 def inner(out: Path, quads: int, block: int, idle_s: float, minutes: float, argv: list[str]) -> None:
-    import megatron.training.training as training
-    from megatron.training import get_args
+    from megatron_autotune import on_trial_steps
 
-    from megatron_tp_overlap.integrations.megatron.launcher import run_script
-    from megatron_tp_overlap.integrations.megatron.run_shape import RunShape
-    from megatron_tp_overlap.integrations.megatron.tuning import MegatronSteps
-
-    def train(forward_step_func, model, optimizer, scheduler, data_iterator, *rest, **kw):
-        steps = MegatronSteps(model, forward_step_func, optimizer, data_iterator, RunShape.from_args(get_args()), 0)
-        result = {"megatron_args": argv[1:], **collect(steps, quads, block, idle_s, minutes)}
-        if int(os.environ.get("RANK", "0")) == 0:
-            out.mkdir(parents=True, exist_ok=True)
-            (out / "decision_blocks.json").write_text(json.dumps(result) + "\n")
-        return 0, 0  # no training; pretrain() carries on to its end
-
-    training.train = train
-    run_script(argv)
+    on_trial_steps(argv, out / "decision_blocks.json", lambda steps: collect(steps, quads, block, idle_s, minutes))
 
 
 def main() -> None:

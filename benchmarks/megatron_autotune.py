@@ -36,6 +36,29 @@ def add_trial_microbatches(p: argparse.ArgumentParser) -> None:
     )
 
 
+def on_trial_steps(argv: list[str], out_file: Path, measure) -> None:
+    """Run Megatron-LM's script (``argv``) with its training loop replaced by ``measure(steps)`` on the tuner's own
+    trial steps (``MegatronSteps``, the fewest micro-batches); rank 0 writes what it returns (plus the Megatron
+    arguments) to ``out_file`` as JSON."""
+    import megatron.training.training as training
+    from megatron.training import get_args
+
+    from megatron_tp_overlap.integrations.megatron.launcher import run_script
+    from megatron_tp_overlap.integrations.megatron.run_shape import RunShape
+    from megatron_tp_overlap.integrations.megatron.tuning import MegatronSteps
+
+    def train(forward_step_func, model, optimizer, scheduler, data_iterator, *rest, **kw):
+        steps = MegatronSteps(model, forward_step_func, optimizer, data_iterator, RunShape.from_args(get_args()), 0)
+        result = {"megatron_args": argv[1:], **measure(steps)}
+        if int(os.environ.get("RANK", "0")) == 0:
+            out_file.parent.mkdir(parents=True, exist_ok=True)
+            out_file.write_text(json.dumps(result) + "\n")
+        return 0, 0  # no training; pretrain() carries on to its end
+
+    training.train = train
+    run_script(argv)
+
+
 def one_gpu_args(seq: int, iters: int, **shape: int) -> list[str]:
     """``model_args`` of the default GPT (``shape``: other values of ``MODEL``'s keys) on one GPU (TP=1: no sequence
     parallelism), for the measurements that need no TP (benchmarks/compile_reset_cost.py, trial_noise.py,
