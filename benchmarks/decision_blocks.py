@@ -162,9 +162,9 @@ def main() -> None:
         p.error(f"--sizes {max(a.sizes)}: must be <= --block {a.block}")
     rc = 0
     if not a.analyze:
-        from megatron_autotune import one_gpu_args
+        from megatron_autotune import one_gpu_args, parse_model_shape
 
-        shape = {k: int(v) for k, v in (kv.split("=", 1) for kv in a.shape.split(",") if kv)}
+        shape = parse_model_shape(a.shape)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", __file__, "--inner"]
         cmd += ["--out", str(out), "--quads", str(a.quads), "--block", str(a.block), "--idle-s", str(a.idle_s)]
         cmd += ["--minutes", str(a.minutes), a.script, *one_gpu_args(a.seq, 10, **shape)]

@@ -59,6 +59,12 @@ def on_trial_steps(argv: list[str], out_file: Path, measure) -> None:
     run_script(argv)
 
 
+def parse_model_shape(text: str) -> dict[str, int]:
+    """``--shape`` of the one-GPU benchmarks: ``"hidden=5120,ffn=17920"`` -> ``{"hidden": 5120, "ffn": 17920}``
+    (keys checked by :func:`one_gpu_args`)."""
+    return {k: int(v) for k, v in (kv.split("=", 1) for kv in text.split(",") if kv)}
+
+
 def one_gpu_args(seq: int, iters: int, **shape: int) -> list[str]:
     """``model_args`` of the default GPT (``shape``: other values of ``MODEL``'s keys) on one GPU (TP=1: no sequence
     parallelism), for the measurements that need no TP (benchmarks/compile_reset_cost.py, trial_noise.py,

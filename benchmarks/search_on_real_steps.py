@@ -447,9 +447,9 @@ def main() -> None:
             tuple(a.variants),
         )
         return
-    from megatron_autotune import FP8_ARGS, one_gpu_args
+    from megatron_autotune import FP8_ARGS, one_gpu_args, parse_model_shape
 
-    shape = {k: int(v) for k, v in (kv.split("=", 1) for kv in a.shape.split(",") if kv)}
+    shape = parse_model_shape(a.shape)
     args = one_gpu_args(a.seq, 10, **shape) + (FP8_ARGS if a.fp8 else [])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", __file__, "--inner", "--out", str(out)]
     cmd += ["--trial-microbatches", str(a.trial_microbatches)]

@@ -105,9 +105,9 @@ def main() -> None:
     if a.inner:
         inner(out, a.repeats, a.idle_s, rest)
         return
-    from megatron_autotune import one_gpu_args
+    from megatron_autotune import one_gpu_args, parse_model_shape
 
-    shape = {k: int(v) for k, v in (kv.split("=", 1) for kv in a.shape.split(",") if kv)}
+    shape = parse_model_shape(a.shape)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", __file__, "--inner", "--out", str(out)]
     cmd += ["--repeats", str(a.repeats), "--idle-s", str(a.idle_s), a.script, *one_gpu_args(a.seq, 10, **shape)]
     print(" ".join(cmd), flush=True)

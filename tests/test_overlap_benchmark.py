@@ -251,3 +251,11 @@ def test_switch_cost_summary_gives_medians_per_heap_state():
     text = sc.summary({**result, "unfrozen": r, "frozen": {**r, "collect_s": [0.01, 0.02, 0.03]}})
     assert "| unfrozen | 0.4000 | 0.0000 | 0.0600 / 47.00 | 0.0500 / 47.50 |" in text
     assert "| frozen | 0.0200 |" in text and "1000 (frozen: 10)" in text
+
+
+def test_the_one_gpu_benchmarks_read_their_model_shape_once():
+    ma = _load("megatron_autotune")
+    assert ma.parse_model_shape("hidden=5120,ffn=17920") == {"hidden": 5120, "ffn": 17920}
+    assert ma.parse_model_shape("") == {}
+    with pytest.raises(ValueError, match="model shape keys"):
+        ma.one_gpu_args(2048, 10, **ma.parse_model_shape("hiden=5120"))
