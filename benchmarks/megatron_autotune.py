@@ -67,7 +67,7 @@ def parse_model_shape(text: str) -> dict[str, int]:
 
 def one_gpu_args(seq: int, iters: int, **shape: int) -> list[str]:
     """``model_args`` of the default GPT (``shape``: other values of ``MODEL``'s keys) on one GPU (TP=1: no sequence
-    parallelism), for the measurements that need no TP (benchmarks/compile_reset_cost.py, trial_noise.py,
+    parallelism), for the measurements that need no TP (benchmarks/studies/compile_reset_cost.py, trial_noise.py,
     verify_noise.py)."""
     unknown = set(shape) - set(MODEL)
     if unknown:
@@ -191,7 +191,7 @@ def main() -> None:
     p.add_argument(
         "--exit-trace",
         action="store_true",
-        help="run through benchmarks/exit_trace.py: each rank's way out of the run, timed, in the log",
+        help="run through benchmarks/studies/exit_trace.py: each rank's way out of the run, timed, in the log",
     )
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     a = p.parse_args()
@@ -239,7 +239,11 @@ def main() -> None:
             "torch.distributed.run",
             f"--nproc-per-node={a.gpus}",
             f"--master-port={a.master_port}",
-            *([str(Path(__file__).with_name("exit_trace.py"))] if a.exit_trace else ["-m", "megatron_tp_overlap.run"]),
+            *(
+                [str(Path(__file__).parent / "studies" / "exit_trace.py")]
+                if a.exit_trace
+                else ["-m", "megatron_tp_overlap.run"]
+            ),
             "--iteration-log",
             str(loss_log),
             a.script,

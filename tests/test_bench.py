@@ -116,14 +116,15 @@ def test_correctness_is_judged_per_dtype():
     assert "correct (tol 0.01)" in text and "| yes |" in text and "| **NO** |" in text
 
 
-@pytest.mark.parametrize(
-    "script", sorted(p.name for p in (Path(__file__).resolve().parents[1] / "benchmarks").glob("*.py"))
-)
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.mark.parametrize("script", sorted(str(p.relative_to(BENCHMARKS)) for p in BENCHMARKS.glob("**/*.py")))
 def test_every_benchmark_prints_its_help(script):
     """argparse formats help with %: a bare % in a help text crashed --help of two benchmarks."""
     import subprocess
     import sys
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / script
+    path = BENCHMARKS / script
     r = subprocess.run([sys.executable, str(path), "--help"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "usage" in r.stdout, r.stderr[-2000:]

@@ -72,7 +72,7 @@ def test_predecessor_effect_plan_interleaves_every_order():
     from pathlib import Path
 
     spec = importlib.util.spec_from_file_location(
-        "pe", Path(__file__).parents[1] / "benchmarks" / "predecessor_effect.py"
+        "pe", Path(__file__).parents[1] / "benchmarks" / "studies" / "predecessor_effect.py"
     )
     pe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(pe)
@@ -83,9 +83,9 @@ def test_predecessor_effect_plan_interleaves_every_order():
 
 
 def _load(name):
-    spec = importlib.util.spec_from_file_location(
-        name, Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
-    )
+    here = Path(__file__).resolve().parents[1] / "benchmarks"
+    path = next(p for p in (here / f"{name}.py", here / "studies" / f"{name}.py") if p.exists())
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -211,7 +211,7 @@ def test_the_kernel_check_covers_no_overlap_each_kind_and_the_dgrad_flipped_live
 
 
 def test_decision_blocks_replays_the_decision_for_each_block_size_and_value(tmp_path):
-    """The analysis of benchmarks/decision_blocks.py: smaller blocks are the first steps of each measured block, a
+    """The analysis of benchmarks/studies/decision_blocks.py: smaller blocks are the first steps of each measured block, a
     decision holds as many quadruples as its seconds pay for (a block's wall time less its unused steps), and the
     sequence is cut into consecutive decisions; a step 5x slower once per block moves a median less than a mean."""
     import random

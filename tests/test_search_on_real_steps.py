@@ -1,4 +1,4 @@
-"""benchmarks/search_on_real_steps.py's pure parts: the delays it puts in reproduce the world's cost differences,
+"""benchmarks/studies/search_on_real_steps.py's pure parts: the delays it puts in reproduce the world's cost differences,
 and a search's record is scored against the truth (a simulated run stands in for the real steps)."""
 
 import importlib.util
@@ -13,7 +13,7 @@ from megatron_tp_overlap.engine.space import TuningConfig, all_off, apply, build
 from megatron_tp_overlap.tools import decision_sim as sim
 from megatron_tp_overlap.ub.config import UbConfig
 
-PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "search_on_real_steps.py"
+PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "studies" / "search_on_real_steps.py"
 sys.path.insert(0, str(PATH.parent))
 spec = importlib.util.spec_from_file_location("search_on_real_steps", PATH)
 sr = importlib.util.module_from_spec(spec)

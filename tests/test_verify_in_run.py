@@ -197,12 +197,12 @@ def test_a_short_run_gets_a_verification_that_ends_within_it():
 
 
 def test_the_verify_noise_benchmark_chains_verifications_through_the_launchers_wrapper():
-    """benchmarks/verify_noise.py: warm iterations unmeasured, then one verification after another through
+    """benchmarks/studies/verify_noise.py: warm iterations unmeasured, then one verification after another through
     ``verifying`` (as in a run), each with its own verdict; the wrapper unwraps itself after the last."""
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "verify_noise.py"
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "studies" / "verify_noise.py"
     spec = importlib.util.spec_from_file_location("verify_noise", path)
     vn = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(vn)
@@ -234,7 +234,7 @@ def test_the_verify_noise_analysis_replays_the_short_design_and_finds_the_positi
     from megatron_tp_overlap.engine import paired
     from megatron_tp_overlap.engine.verify import schedule
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "verify_noise.py"
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "studies" / "verify_noise.py"
     spec = importlib.util.spec_from_file_location("verify_noise", path)
     vn = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(vn)

@@ -219,6 +219,9 @@ class UbSwitcher:
     reinit_phases: list[dict[str, float]] = field(default_factory=list)  # per re-init: REINIT_PHASES -> seconds
     recoverable: Callable[[Callable[[], None]], Any] = lambda recover: contextlib.nullcontext()
     bootstrap_timeout_s: float | None = None  # gloo bootstrap groups: a collective waiting longer raises
+    # False in jobs too large for every agreement (engine.lockstep.STEP_CHECKS_UP_TO): initialize_ub's own bootstrap
+    # collectives keep ranks apart, and a rank failing in destroy_ub reaches peers blocked there through recoverable
+    barrier_after_destroy: bool = True
     compiled_kept: int = 0  # switches that kept torch.compile's code (keeping_compiled_fusions)
     _bootstrap: dict[str, Any] = field(default_factory=dict)  # key of TE's new_group call -> the group
 
@@ -319,11 +322,13 @@ class UbSwitcher:
         lap("destroy")
         _sync()
         lap("sync")
-        self.barrier()
+        if self.barrier_after_destroy:
+            self.barrier()
         lap("barrier")
 
-    def apply(self, config: TuningConfig, force: bool = False) -> bool:
-        """Make ``config`` live. Returns True when userbuffers were re-initialized (always with ``force``)."""
+    def apply(self, config: TuningConfig, force: bool = False, agreed_after: bool = False) -> bool:
+        """Make ``config`` live. Returns True when userbuffers were re-initialized (always with ``force``).
+        ``agreed_after``: the caller's next act is an agreement of every rank, which stands for the last barrier."""
         reinit = force or self.current is None or config.ub != self.current.ub
         if reinit:
             base = _te_base()
@@ -343,7 +348,8 @@ class UbSwitcher:
             lap("initialize")
             _sync()
             lap("sync")
-            self.barrier()
+            if not agreed_after:
+                self.barrier()
             lap("barrier")
             self.reinits += 1
             self.reinit_seconds.append(time.perf_counter() - t0)

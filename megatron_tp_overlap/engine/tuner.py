@@ -20,7 +20,7 @@ from megatron_tp_overlap.engine import faults as fault_injection
 from megatron_tp_overlap.engine import heap
 from megatron_tp_overlap.engine.faults import InjectedFault
 from megatron_tp_overlap.engine.faults import from_env as faults_from_env
-from megatron_tp_overlap.engine.lockstep import GRACE_S, Lockstep
+from megatron_tp_overlap.engine.lockstep import GRACE_S, Lockstep, PeerFailed
 from megatron_tp_overlap.engine.measure import SlotTimer, cuda_event
 from megatron_tp_overlap.engine.numerics import rel_diff
 from megatron_tp_overlap.engine.report import build_report, render_summary, summary_rows
@@ -106,6 +106,7 @@ class Autotuner:
     trial_timeout_s: float = 120.0  # a trial slower than this is rejected (checked when it returns)
     faults: list = field(default_factory=lambda: faults_from_env())  # reliability tests only
     peer_grace_s: float = GRACE_S  # a rank blocked by a peer's failure ends the job after this (engine.lockstep)
+    gloo: bool = True  # False: the ranks agree without any gloo group (Megatron's --disable-gloo-process-groups)
     gemms: set[str] | None = None  # tune only these GEMMs (others keep the reference's setting)
     clock: Callable[[], float] = time.perf_counter  # wall clock, s (tests drive a synthetic one)
     sleep: Callable[[float], None] = time.sleep
@@ -168,7 +169,11 @@ class Autotuner:
             "active": sorted(self.topology.active),
             "space": {g: [o.label for o in opts] for g, opts in space.items()},
         }
-        digest = hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:12]
+        digest = int(hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:12], 16)  # exact in f64
+        high, low = self.lockstep.agree_max([digest, -digest])  # one agreement: equal everywhere iff high == -low
+        if high == -low:
+            return
+        # the ranks differ (the job stops here): gather who holds what, once, to say so
         digests: list[Any] = [None] * dist.get_world_size(self.group)
         kinds = ", ".join(f"{n}({k})" for n, k in self.topology.kinds) or "none"
         dist.all_gather_object(digests, (digest, kinds), group=self.group)
@@ -213,7 +218,7 @@ class Autotuner:
             if self._fault("init", config):
                 raise InjectedFault("injected fault while switching userbuffers config")
             with fault_injection.inside_initialize_ub(self._fault("ubinit", config)):
-                self.switcher.apply(config)
+                self.switcher.apply(config, agreed_after=True)  # attempt() agrees right after
 
         def timed_step(i: int) -> None:
             timer.begin_step()
@@ -227,14 +232,41 @@ class Autotuner:
             if i == 0 and self._fault("timeout", config):
                 self.sleep(self.trial_timeout_s)
 
-        ok = attempt(switch) and all(attempt(self.step_fn) for _ in range(warmup))
-        if ok:
+        # The ranks agree after the switch and at the end of the trial, and between steps while the job is small
+        # (engine.lockstep.STEP_CHECKS_UP_TO): there a rank failing between two steps fails the trial; beyond it, it
+        # ends the job as a failure inside a step does. The last step's failure rides on the trial's agreement.
+        failed_here = ""
+        collected: dict[str, Any] = {}
+
+        def unchecked(fn: Callable[[], Any]) -> bool:
+            nonlocal failed_here, error
+            try:
+                fn()
+                return True
+            except Exception as e:  # noqa: BLE001 - the other ranks hear of it at the trial's agreement
+                failed_here, error = f"{type(e).__name__}: {e}", 1.0
+                self.log(f"[tp-overlap-autotune] trial failed on this rank: {failed_here}")
+                return False
+
+        def in_order(fns: list[Callable[[], Any]], ends_trial: bool) -> bool:
+            for n, fn in enumerate(fns):
+                checked = self.lockstep.step_checks and not (ends_trial and n == len(fns) - 1)
+                if not (attempt(fn) if checked else unchecked(fn)):
+                    return False
+            return True
+
+        def last_step() -> None:
+            timed_step(steps - 1)
+            if self.timing_device == "cuda":
+                torch.cuda.synchronize()
+            collected["per_slot"], collected["step_ms"] = timer.collect(slots)
+
+        ok = attempt(switch) and in_order([self.step_fn] * warmup, ends_trial=not steps)
+        if ok and steps:
             with timer:
-                ok = all(attempt(lambda i=i: timed_step(i)) for i in range(steps))
-                if ok:
-                    if self.timing_device == "cuda":
-                        torch.cuda.synchronize()
-                    per_slot, step_ms = timer.collect(slots)
+                ok = in_order([lambda i=i: timed_step(i) for i in range(steps - 1)] + [last_step], ends_trial=True)
+        if ok and collected:
+            per_slot, step_ms = collected["per_slot"], collected["step_ms"]
         if ok and self._fault("nan", config):
             step_ms = [math.nan] * steps
         if error == 0 and self.clock() - t_trial > self.trial_timeout_s:
@@ -244,7 +276,12 @@ class Autotuner:
         self._trial_index += 1
         now = self.clock()
         flat = [v for s in slots for v in per_slot[s]] + list(step_ms) + [now - t_trial, now - self._t0, error]
-        agreed = self.lockstep.agree_max(flat)
+        try:
+            agreed = self.lockstep.agree_max(flat, bool(failed_here), failed_here)
+        except PeerFailed as e:  # a rank failed in the last step: every rank is here, and the clock is agreed
+            self.lockstep.failure = str(e)
+            agreed = list(e.values) + [math.nan] * (len(flat) - len(e.values))  # all of it unless it took rounds
+            agreed[-3:] = [v if math.isfinite(v) else mine for v, mine in zip(agreed[-3:], flat[-3:])][:2] + [1.0]
         self._agreed_elapsed = agreed[-2]
         if agreed[-1] > 0:  # every rank raises together: nobody is left waiting in a collective
             why = self._FAILURES.get(int(agreed[-1]), "failed")
@@ -376,15 +413,17 @@ class Autotuner:
     def agreeing(self) -> Iterator[None]:
         """The ranks' agreements (engine.lockstep) for trials and numerics checks run inside this block:
         :meth:`tune` opens it; open it around a lone :meth:`verify`."""
-        self.lockstep = Lockstep(self.group, grace_s=self.peer_grace_s)
+        self.lockstep = Lockstep(self.group, grace_s=self.peer_grace_s, gloo=self.gloo)
         # bootstrap collectives take ms; half the grace leaves the watcher's wait after its recovery to spare
         self.switcher.bootstrap_timeout_s = self.peer_grace_s / 2
+        self.switcher.barrier_after_destroy = self.lockstep.step_checks
         try:
             yield
         finally:
             self.lockstep.close()
             self.lockstep = Lockstep(enabled=False)
             self.switcher.bootstrap_timeout_s = None
+            self.switcher.barrier_after_destroy = True
 
     def _tune(self) -> TuneResult:
         t0 = self.clock()
@@ -413,7 +452,7 @@ class Autotuner:
             f"[tp-overlap-autotune] {len(self.modules)} overlap modules, slots: "
             + ", ".join(f"{s}({len(g)})" for s, g in self.topology.slots().items())
             + f"; {n_opts} options over {len(space)} GEMMs; strategy={self.options.strategy}, "
-            f"budget {self.options.budget_text()}"
+            f"budget {self.options.budget_text()}; ranks agree by {self.lockstep.describe()}"
         )
         searcher = Searcher(
             self.topology,
@@ -442,6 +481,12 @@ class Autotuner:
             else None,
             "reinit_phases_s_median": reinit_phase_medians(self.switcher.reinit_phases),
             "wall_s": round(wall, 3),
+            # what the ranks' agreements cost this rank (engine.lockstep): at scale this is the part that grows
+            "agreements": {
+                "design": self.lockstep.describe(),
+                "points": self.lockstep.epoch,
+                "seconds": round(self.lockstep.seconds, 4),
+            },
             "numerics_rel_error": self.numerics,
             "numerics_guard": self._guard_off or f"on (tolerance {self.tolerance():.3g})",
             "space": {g: [o.label for o in opts] for g, opts in space.items()},

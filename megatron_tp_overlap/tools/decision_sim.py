@@ -64,7 +64,7 @@ class World:
 
     def excess_ms(self, gemm: str, config: TuningConfig) -> float:
         """The GEMM's cost under ``config`` above its cheapest option (ms): what a real step must be made slower
-        by, per GEMM, for configs to differ as in this world (benchmarks/search_on_real_steps.py)."""
+        by, per GEMM, for configs to differ as in this world (benchmarks/studies/search_on_real_steps.py)."""
         floor = min([GEMM_MS] + [ms for (g, _), ms in self.fast.items() if g == gemm])
         return self.gemm_ms(gemm, config) - floor
 

@@ -447,6 +447,7 @@ def _make_tuner(
     from megatron_tp_overlap.engine.search import SearchOptions
     from megatron_tp_overlap.engine.space import SpaceSpec
     from megatron_tp_overlap.engine.tuner import Autotuner
+    from megatron_tp_overlap.integrations.megatron.groups import gloo_groups_enabled
 
     # Megatron builds every qkv/fc1 layer with bulk dgrad, or with GEMM+reduce-scatter dgrad under
     # --tp-comm-overlap-rs-dgrad; the YAML cannot change that, so the search keeps to the run's mode
@@ -466,6 +467,7 @@ def _make_tuner(
         progress=progress,
         trial_timeout_s=options.trial_timeout,
         switch_sets=switch_sets(run.rs_dgrad),
+        gloo=gloo_groups_enabled(),
     )
 
 

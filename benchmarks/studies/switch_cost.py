@@ -1,6 +1,6 @@
 """Where a switch's host seconds go besides TE's re-init, inside Megatron-LM's process on one GPU (TP=1).
 
-    python benchmarks/switch_cost.py --script .device/megatron-lm/pretrain_gpt.py --out DIR
+    python benchmarks/studies/switch_cost.py --script .device/megatron-lm/pretrain_gpt.py --out DIR
 
 A userbuffers switch collects garbage (``gc.collect()``: an old autograd graph holding a communicator must die
 first), synchronizes the device, re-initializes (``--idle-s`` here: no userbuffers at TP=1) and the next trial starts
@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+sys.path[:0] = [str(HERE), str(HERE.parent)]  # the studies, then the benchmarks they build on
 
 
 def measure(steps, repeats: int, idle_s: float) -> dict:

@@ -1,7 +1,7 @@
 """How bad inputs and failures end (or do not end) a launch under torchrun: exit code, seconds to exit, and the
 lines of our messages (what a user reads), for each of:
 
-    python benchmarks/bad_input_runs.py --megatron-lm DIR --gpus 2 --out DIR
+    python benchmarks/studies/bad_input_runs.py --megatron-lm DIR --gpus 2 --out DIR
 
 1. Megatron-LM ``pretrain_gpt.py`` with ``--tp-comm-overlap-autotune-rtol 5`` (a bad flag value);
 2. the same with ``--tp-comm-overlap-cfg`` of a YAML whose ``[`` is never closed;

@@ -2,7 +2,7 @@
 switch, and Megatron compiles its fused activation / bias-dropout-add functions with ``torch.compile``
 (``megatron.core.jit.jit_fuser``), so every switch throws their compiled code away.
 
-    python benchmarks/compile_reset_cost.py --script .device/megatron-lm/pretrain_gpt.py --out DIR
+    python benchmarks/studies/compile_reset_cost.py --script .device/megatron-lm/pretrain_gpt.py --out DIR
 
 One process (no TP needed: the cost is in the compiled functions, not in userbuffers) runs Megatron-LM's own
 ``pretrain_gpt.py`` (mock data, bf16, GPT 4 layers h4096 ffn14336 32/8 heads seq 4096, SwiGLU) with each
@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+sys.path[:0] = [str(HERE), str(HERE.parent)]  # the studies, then the benchmarks they build on
 
 
 def inner(out: Path, reset_at: set[int], destroy: str, argv: list[str]) -> None:

@@ -2,7 +2,7 @@
 cyclic garbage collector does (it sits in a reference cycle, as it did behind tuning's objects: rank 0 of every tuned
 2-GPU Megatron run exited ~10 s after rank 1). CPU only.
 
-    python benchmarks/dataloader_cycle_exit.py [--workers 2]
+    python benchmarks/studies/dataloader_cycle_exit.py [--workers 2]
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """How the final decision's block size and block value trade against its resolution, on real Megatron-LM trial steps
 (one GPU, TP=1, switches simulated).
 
-    python benchmarks/decision_blocks.py --script .device/megatron-lm/pretrain_gpt.py --out DIR
+    python benchmarks/studies/decision_blocks.py --script .device/megatron-lm/pretrain_gpt.py --out DIR
 
 The search's final decision (``Searcher.abba``) runs ABBA quadruples of ``block_steps``-step blocks, every block a
 trial of its own (a switch and a warm-up step when the config changes, a device sync and host work when it
@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+sys.path[:0] = [str(HERE), str(HERE.parent)]  # the studies, then the benchmarks they build on
 BLOCK_VALUES = {"median": statistics.median, "mean": statistics.fmean}
 
 

@@ -1,6 +1,6 @@
 """Does a config's step time depend on what ran before it? (under torchrun)
 
-    torchrun --nproc-per-node=4 benchmarks/predecessor_effect.py --case llama3_8b --layers 2 --out DIR
+    torchrun --nproc-per-node=4 benchmarks/studies/predecessor_effect.py --case llama3_8b --layers 2 --out DIR
 
 On H200 (2026-11-21) one config measured twice in the same interleaved rounds came out 3-5% apart
 (`benchmarks/results/overlap_vs_baselines_h200x4_2026-11-21.md`): once right after "no overlap" (same
@@ -55,7 +55,7 @@ def main() -> None:
     import torch
     import torch.distributed as dist
 
-    sys.path.insert(0, str(Path(__file__).parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from overlap_vs_baselines import CASES
 
     from megatron_tp_overlap.engine.measure import median_cuda_ms

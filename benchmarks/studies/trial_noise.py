@@ -2,7 +2,7 @@
 tuner's trial step (``MegatronSteps.step``: Megatron's forward_backward_func on read-ahead micro-batches, no
 optimizer step), in the pattern tuning runs it, and per step what might explain a slow one.
 
-    python benchmarks/trial_noise.py --script .device/megatron-lm/pretrain_gpt.py --out DIR
+    python benchmarks/studies/trial_noise.py --script .device/megatron-lm/pretrain_gpt.py --out DIR
 
 Two phases on the same model, after 10 warm steps:
 
@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+sys.path[:0] = [str(HERE), str(HERE.parent)]  # the studies, then the benchmarks they build on
 STEPS_PER_TRIAL = 4  # 1 warm-up + 3 timed: a screening trial when measured (screening now times 2)
 
 

@@ -5,7 +5,7 @@ interpreter's thread shutdown began and ended, and when the last atexit handler 
 of its own atexit handler (DataLoader workers, queue threads), and the DataLoader iterators still alive when the
 script returned are named with what holds them.
 
-    torchrun --nproc-per-node=2 benchmarks/exit_trace.py [--iteration-log PATH] pretrain_gpt.py <Megatron args>
+    torchrun --nproc-per-node=2 benchmarks/studies/exit_trace.py [--iteration-log PATH] pretrain_gpt.py <Megatron args>
 
 Issue 21: "a finished job exits within a few seconds of its last output" (``megatron_autotune.py --exit-trace``).
 """

@@ -1,7 +1,7 @@
 """The in-run verification (``engine.verify.InRunVerification``, unchanged) on real Megatron-LM training iterations,
 on one GPU: does its interval hold zero between equal configs, and does it keep a config that is truly faster?
 
-    python benchmarks/verify_noise.py --script .device/megatron-lm/pretrain_gpt.py --out DIR
+    python benchmarks/studies/verify_noise.py --script .device/megatron-lm/pretrain_gpt.py --out DIR
 
 Megatron-LM's own ``pretrain_gpt.py`` trains (mock data, real optimizer steps, Megatron's own loop and logging);
 after ``--warm`` iterations, verifications of at most ``--verify-iters`` measured iterations run one after another,
@@ -34,7 +34,7 @@ from pathlib import Path
 from megatron_tp_overlap.engine.options import TuneOptions
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+sys.path[:0] = [str(HERE), str(HERE.parent)]  # the studies, then the benchmarks they build on
 
 
 class Finished(Exception):

@@ -1,7 +1,7 @@
 """The search's decisions on real GPU steps: the tuner's search, unchanged, on Megatron-LM's own trial steps (TP=1,
 one GPU), where the true cost of every config is known because it was put there.
 
-    python benchmarks/search_on_real_steps.py --script .device/megatron-lm/pretrain_gpt.py --out DIR
+    python benchmarks/studies/search_on_real_steps.py --script .device/megatron-lm/pretrain_gpt.py --out DIR
 
 ``tools/decision_sim.py`` scores the search on simulated steps; its noise models were fitted to H200 measurements,
 but a model is a model. Here every step is a real one: Megatron's ``forward_backward_func`` on a real GPT
@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+sys.path[:0] = [str(HERE), str(HERE.parent)]  # the studies, then the benchmarks they build on
 MEGATRON_NAMES = {"linear_qkv": "qkv", "linear_proj": "proj", "linear_fc1": "fc1", "linear_fc2": "fc2"}
 
 
