@@ -95,6 +95,8 @@ def _is_fusion(filename: str, name: str) -> bool:
 def compiled_beyond_fusions() -> list[str]:
     """``file:function`` of each function torch.compile holds compiled code for, other than
     :data:`ELEMENTWISE_FUSIONS` (``["<unknown>"]`` when torch's internals cannot be read: then nothing is assumed)."""
+    if "torch._dynamo" not in sys.modules:  # nothing was ever compiled (torch.compile imports it); importing it here,
+        return []  # after tuning froze the heap, left its ~1 s of module objects in every switch's collection (116 ms)
     try:
         from torch._dynamo import convert_frame
         from torch._dynamo.eval_frame import _debug_get_cache_entry_list
