@@ -149,4 +149,3 @@ def test_every_benchmark_prints_its_help():
     r = subprocess.run([sys.executable, "-c", _HELP_ALL, *scripts], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert json.loads(r.stdout.strip().splitlines()[-1]) == {}
-

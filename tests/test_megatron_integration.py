@@ -642,7 +642,7 @@ def test_a_failed_tuning_replaces_an_earlier_report_with_one_that_says_so(tmp_pa
 
     from megatron_tp_overlap.engine.space import TuningConfig
     from megatron_tp_overlap.integrations.megatron import tuning as mt
-    from megatron_tp_overlap.tools.winners import read_report
+    from megatron_tp_overlap.tools.research.winners import read_report
     from megatron_tp_overlap.ub.config import UbConfig
 
     monkeypatch.setattr(torch.distributed, "get_rank", lambda *a, **k: 0)

@@ -6,7 +6,7 @@ import random
 import pytest
 
 from megatron_tp_overlap.engine import paired
-from megatron_tp_overlap.tools import decision_sim
+from megatron_tp_overlap.tools.research import decision_sim
 
 
 def test_abba_order_and_its_runs():
@@ -50,7 +50,7 @@ def test_decision_rule_on_ten_simulated_runs():
     """The decision rule on simulated runs with known costs (not a timing test), seeds 0-9 of every scenario: these
     runs are deterministic, and in each the search takes >= 98% of the available gain (0.5-5% of the step) on
     average, is never slower than the reference, and names no false winner where every config costs the same. The
-    200-seed table is the simulator's own (`python -m megatron_tp_overlap.tools.decision_sim --seeds 200`,
+    200-seed table is the simulator's own (`python -m megatron_tp_overlap.tools.research.decision_sim --seeds 200`,
     benchmarks/results/2026-11-23_cpu/decision_sim.md)."""
     res = decision_sim.evaluate_rule(10)
     for scenario, r in res.items():

@@ -16,7 +16,7 @@ from megatron_tp_overlap.engine.search import (
 from megatron_tp_overlap.engine.space import TuningConfig, all_off, apply, build_space, is_valid
 from megatron_tp_overlap.engine.topology import build_topology, find_overlap_modules
 from megatron_tp_overlap.engine.trial import Contender
-from megatron_tp_overlap.tools import decision_sim as sim
+from megatron_tp_overlap.tools.research import decision_sim as sim
 from megatron_tp_overlap.ub.config import UbConfig
 from megatron_tp_overlap.ub.rules import ValidationContext
 

@@ -10,7 +10,7 @@ import pytest
 
 from megatron_tp_overlap.engine.search import SearchOptions
 from megatron_tp_overlap.engine.space import TuningConfig, all_off, apply, build_space
-from megatron_tp_overlap.tools import decision_sim as sim
+from megatron_tp_overlap.tools.research import decision_sim as sim
 from megatron_tp_overlap.ub.config import UbConfig
 
 PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "studies" / "search_on_real_steps.py"

@@ -148,7 +148,7 @@ def test_the_default_verification_keeps_real_gains_under_the_measured_iteration_
     steps back to back), over 200 seeds the default verification keeps a truly 1% faster config almost always, never
     keeps a 1% slower one, and keeps an equal one rarely (which would cost nothing)."""
     from megatron_tp_overlap.engine.options import TuneOptions
-    from megatron_tp_overlap.tools import verify_sim
+    from megatron_tp_overlap.tools.research import verify_sim
 
     n = TuneOptions.verify_iters
     faster = verify_sim.evaluate(n, 1.0, 200, noise)

@@ -2,7 +2,7 @@
 
 import json
 
-from megatron_tp_overlap.tools import winners
+from megatron_tp_overlap.tools.research import winners
 
 
 def report(chosen, ub_cfgs=None, off=(), fp8=False, space=None, contenders=(), per_gemm=None, verified=None):

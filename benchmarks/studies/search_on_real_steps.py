@@ -146,7 +146,7 @@ def probe_delays(real: RealSteps) -> dict:
     from trial_noise import gpu_ms
 
     from megatron_tp_overlap.engine.space import TuningConfig, all_off, build_space
-    from megatron_tp_overlap.tools import decision_sim as sim
+    from megatron_tp_overlap.tools.research import decision_sim as sim
     from megatron_tp_overlap.ub.config import UbConfig
 
     world = sim.make_world(build_space(sim.TOPO, sim.CTX, [UbConfig()]), 0.03, random.Random(0))
@@ -165,7 +165,7 @@ def one_search(real: RealSteps, seed: int, gain: float, preset: bool = False, va
     from megatron_tp_overlap.engine import heap
     from megatron_tp_overlap.engine.search import Searcher, SearchOptions
     from megatron_tp_overlap.engine.space import TuningConfig, all_off, build_space
-    from megatron_tp_overlap.tools import decision_sim as sim
+    from megatron_tp_overlap.tools.research import decision_sim as sim
     from megatron_tp_overlap.ub.config import UbConfig
 
     rng = random.Random(seed)
@@ -283,7 +283,7 @@ def inner(
     from megatron_tp_overlap.integrations.megatron.launcher import run_script
     from megatron_tp_overlap.integrations.megatron.run_shape import RunShape
     from megatron_tp_overlap.integrations.megatron.tuning import MegatronSteps
-    from megatron_tp_overlap.tools import decision_sim as sim
+    from megatron_tp_overlap.tools.research import decision_sim as sim
 
     t_start = time.perf_counter()
 

@@ -8,8 +8,13 @@ from __future__ import annotations
 import itertools
 import math
 import statistics
+from typing import TYPE_CHECKING
 
-from megatron_tp_overlap.engine.search import Searcher, SearchOptions, SearchResult
+from megatron_tp_overlap.engine.trial import SearchOptions, SearchResult
+
+if TYPE_CHECKING:  # the search runs these strategies; they only drive it
+    from megatron_tp_overlap.engine.search import Searcher
+
 from megatron_tp_overlap.engine.space import Option, TuningConfig, apply, is_valid
 
 # The slot-exhaustive search that the tuner is held against (layer benchmark, decision simulator): 3 measured steps

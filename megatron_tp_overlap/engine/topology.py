@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -189,3 +190,41 @@ def build_topology(modules: list[OverlapModule]) -> Topology:
     order = {"qkv": 0, "proj": 1, "fc1": 2, "mlp": 2, "fc2": 3}
     ordered = tuple(sorted(kinds.items(), key=lambda kv: order.get(kv[0], 9)))
     return Topology(kinds=ordered, active=frozenset(g for g in GEMM_NAMES if g in active), layers=max(counts.values()))
+
+
+class TopologyMismatch(RuntimeError):
+    """The ranks would search different topologies or spaces; raised on every rank together, before any trial."""
+
+
+def agree_on_the_search(topology: Topology, space: dict, lockstep: Any, group: Any = None) -> None:
+    """Every rank must search the same topology and space (each trial's collectives have its size): ranks
+    holding different modules (a pipeline stage without some of them) are refused together, naming them."""
+    import hashlib
+    import json
+
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1):
+        return
+    what = {
+        "kinds": topology.kinds,
+        "active": sorted(topology.active),
+        "space": {g: [o.label for o in opts] for g, opts in space.items()},
+    }
+    digest = int(hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:12], 16)  # exact in f64
+    high, low = lockstep.agree_max([digest, -digest])  # one agreement: equal everywhere iff high == -low
+    if high == -low:
+        return
+    # the ranks differ (the job stops here): gather who holds what, once, to say so
+    digests: list[Any] = [None] * dist.get_world_size(group)
+    kinds = ", ".join(f"{n}({k})" for n, k in topology.kinds) or "none"
+    dist.all_gather_object(digests, (digest, kinds), group=group)
+    if len({d for d, _ in digests}) > 1:
+        by = {}
+        for rank, (d, kinds) in enumerate(digests):
+            by.setdefault((d, kinds), []).append(rank)
+        groups = "; ".join(f"ranks {', '.join(map(str, r))}: modules {k}" for (_, k), r in by.items())
+        raise TopologyMismatch(
+            f"the ranks hold different TP-overlap modules or search spaces ({groups}); tune "
+            "where every rank holds the same layer kinds (e.g. equal pipeline stages)"
+        )

@@ -20,25 +20,28 @@ from megatron_tp_overlap.engine import faults as fault_injection
 from megatron_tp_overlap.engine import heap
 from megatron_tp_overlap.engine.faults import InjectedFault
 from megatron_tp_overlap.engine.faults import from_env as faults_from_env
+from megatron_tp_overlap.engine.guard import NumericsGuard
 from megatron_tp_overlap.engine.lockstep import GRACE_S, Lockstep, PeerFailed
 from megatron_tp_overlap.engine.measure import SlotTimer, cuda_event
-from megatron_tp_overlap.engine.numerics import rel_diff
 from megatron_tp_overlap.engine.report import build_report, render_summary, summary_rows
 from megatron_tp_overlap.engine.search import Measurement, Searcher, SearchOptions, SearchResult, Trial, TrialFailed
 from megatron_tp_overlap.engine.space import (
     LEFT_OUT,
-    Option,
     SpaceSpec,
     TuningConfig,
     all_off,
-    allows_dgrad_mode,
-    apply,
     build_space,
     is_valid,
 )
 from megatron_tp_overlap.engine.switcher import UbInitArgs, UbSwitcher, reinit_phase_medians
-from megatron_tp_overlap.engine.topology import OverlapModule, Topology, build_topology, find_overlap_modules
-from megatron_tp_overlap.ub.config import BULK_DGRAD_GEMMS, UbConfig
+from megatron_tp_overlap.engine.topology import (
+    OverlapModule,
+    Topology,
+    agree_on_the_search,
+    build_topology,
+    find_overlap_modules,
+)
+from megatron_tp_overlap.ub.config import UbConfig
 from megatron_tp_overlap.ub.presets import PRESETS
 from megatron_tp_overlap.ub.rules import ValidationContext, check
 
@@ -58,10 +61,6 @@ def device_sm_count() -> int | None:
     )
 
 
-class TopologyMismatch(RuntimeError):
-    """The ranks would search different topologies or spaces; raised on every rank together, before any trial."""
-
-
 @dataclass
 class TuneResult:
     best: TuningConfig
@@ -74,7 +73,7 @@ class TuneResult:
 
 
 @dataclass
-class Autotuner:
+class Autotuner(NumericsGuard):
     """Tune the userbuffers config of ``model`` in-process; the winner is left applied.
 
     Args:
@@ -153,39 +152,6 @@ class Autotuner:
         import torch.distributed as dist
 
         return dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1
-
-    def _agree_on_the_search(self, space: dict[str, list[Option]]) -> None:
-        """Every rank must search the same topology and space (each trial's collectives have its size): ranks
-        holding different modules (a pipeline stage without some of them) are refused together, naming them."""
-        import hashlib
-        import json
-
-        import torch.distributed as dist
-
-        if not self._distributed():
-            return
-        what = {
-            "kinds": self.topology.kinds,
-            "active": sorted(self.topology.active),
-            "space": {g: [o.label for o in opts] for g, opts in space.items()},
-        }
-        digest = int(hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:12], 16)  # exact in f64
-        high, low = self.lockstep.agree_max([digest, -digest])  # one agreement: equal everywhere iff high == -low
-        if high == -low:
-            return
-        # the ranks differ (the job stops here): gather who holds what, once, to say so
-        digests: list[Any] = [None] * dist.get_world_size(self.group)
-        kinds = ", ".join(f"{n}({k})" for n, k in self.topology.kinds) or "none"
-        dist.all_gather_object(digests, (digest, kinds), group=self.group)
-        if len({d for d, _ in digests}) > 1:
-            by = {}
-            for rank, (d, kinds) in enumerate(digests):
-                by.setdefault((d, kinds), []).append(rank)
-            groups = "; ".join(f"ranks {', '.join(map(str, r))}: modules {k}" for (_, k), r in by.items())
-            raise TopologyMismatch(
-                f"the ranks hold different TP-overlap modules or search spaces ({groups}); tune "
-                "where every rank holds the same layer kinds (e.g. equal pipeline stages)"
-            )
 
     def _fault(self, kind: str, config: TuningConfig) -> bool:
         import torch.distributed as dist
@@ -298,95 +264,6 @@ class Autotuner:
             wall_s=agreed[-3],
         )
 
-    # Allowed deviation from no overlap, as a multiple of the reference config's own deviation: any
-    # userbuffers path rounds differently from NCCL (reduction order, GEMM chunking), and in a deep
-    # model that alone reaches several % (H200, TE 2.20: 3% at TP=4 for a 4-layer GPT, for every
-    # config alike). A wrong result (e.g. a mis-switched reduce-scatter dgrad) is off by O(1).
-    REFERENCE_DEVIATION_FACTOR = 3.0
-    MAX_TOLERANCE = 0.5
-
-    def tolerance(self) -> float:
-        """The numerics guard's bound: max(verify_rtol, 3 x the reference config's deviation, 3 x the spread of
-        two identical no-overlap steps), at most 0.5."""
-        ref_dev = self.numerics.get("reference config", 0.0)
-        floor = self.numerics.get("no overlap (repeat)", 0.0)
-        f = self.REFERENCE_DEVIATION_FACTOR
-        return min(max(self.verify_rtol, f * ref_dev, f * floor), max(self.verify_rtol, self.MAX_TOLERANCE))
-
-    def _calibrate(self) -> None:
-        """No-overlap fingerprint (twice: the step must be reproducible), then the reference config's."""
-        self.switcher.apply(all_off(self.topology, TuningConfig(self.reference or UbConfig())))
-        self._ref_fp = self.verify_fn()
-        floor = self.lockstep.agree_max([rel_diff(self.verify_fn(), self._ref_fp)])[0]
-        self.numerics["no overlap (repeat)"] = floor
-        # Non-deterministic kernels (atomics in attention backward, Megatron without --deterministic-mode)
-        # make two identical steps differ by ~1e-2 on H200; the bound follows that spread. Only a step
-        # that cannot be told from a wrong config's O(1) error turns the guard off.
-        if not math.isfinite(floor) or self.REFERENCE_DEVIATION_FACTOR * floor > self.MAX_TOLERANCE:
-            self._guard_off = f"numerics guard off: two identical reference steps differ by {floor:.2e}"
-            self.log(f"[tp-overlap-autotune] WARNING {self._guard_off}; make verify_fn deterministic (restore RNG)")
-            return
-        if floor > self.verify_rtol / 2:
-            self.log(
-                f"[tp-overlap-autotune] two identical no-overlap steps differ by {floor:.2e}: numerics bound "
-                f"{self.REFERENCE_DEVIATION_FACTOR:g} x that"
-            )
-        self.switcher.apply(TuningConfig(self.reference or UbConfig(), frozenset(), "reference"))
-        dev = self.lockstep.agree_max([rel_diff(self.verify_fn(), self._ref_fp)])[0]
-        self.numerics["reference config"] = dev
-        if not math.isfinite(dev) or dev > self.MAX_TOLERANCE:
-            self.log(f"[tp-overlap-autotune] WARNING the reference config itself deviates from no overlap by {dev:.2e}")
-
-    def verify(self, config: TuningConfig) -> str | None:
-        """None if ``config`` reproduces the no-overlap fingerprint within :meth:`tolerance` on every rank."""
-        if self.verify_fn is None:
-            return None
-        if self._ref_fp is None and not self.lockstep.attempt(self._calibrate, self.log):
-            self._ref_fp = None  # calibrate again at the next check; until then nothing passes (agreed)
-            return "the numerics calibration failed"
-        if self._guard_off:
-            return None
-        measured: list[float] = []
-
-        def check() -> None:
-            self.switcher.apply(config)
-            measured.append(rel_diff(self.verify_fn(), self._ref_fp))
-
-        err = measured[0] if self.lockstep.attempt(check, self.log) else math.inf
-        err, self._agreed_elapsed = self.lockstep.agree_max([err, self.clock() - self._t0])
-        self.numerics[config.describe()] = err
-        tol = self.tolerance()
-        return None if err <= tol else f"rel. error {err:.2e} > {tol:.2g} vs no overlap"
-
-    def _outside_dgrad_mode(self, ub: UbConfig) -> bool:
-        """Whether ``ub`` runs an active qkv/fc1 dgrad in a mode ``space_spec`` excludes."""
-        return any(not allows_dgrad_mode(self.space_spec, ub, g) for g in self.topology.active)
-
-    def in_dgrad_mode(self, ub: UbConfig, space: dict[str, list[Option]]) -> UbConfig:
-        """``ub`` with each active qkv/fc1 dgrad that runs in a mode ``space_spec`` excludes set to the first
-        option of the space for it (priors first: a preset's setting) that passes the numerics check. E.g. TE's
-        default (bulk dgrad) under a reduce-scatter dgrad search, which would otherwise stay in the result as
-        the incumbent, unverified: the reference is never checked against itself."""
-        cfg = TuningConfig(ub)
-        for g in BULK_DGRAD_GEMMS:
-            if g not in space or allows_dgrad_mode(self.space_spec, cfg.ub, g):  # not tuned here, or in the mode
-                continue
-            for opt in (o for o in space[g] if o.enabled):
-                candidate = apply(cfg, opt, self.topology)
-                # the new reference is this tuner's choice, not the user's: it must compute what no overlap does
-                # (checked against the given reference's calibration: a wrong one must not widen the tolerance)
-                why = self.verify(candidate) if self.verify_fn is not None else None
-                if why is None:
-                    cfg = candidate
-                    break
-                self.log(f"[tp-overlap-autotune] {g}: {opt.label} left out as the starting point: {why}")
-            else:
-                self.log(
-                    f"[tp-overlap-autotune] WARNING no {g} setting in this dgrad mode passed the numerics "
-                    "check; keeping the reference's"
-                )
-        return cfg.ub
-
     def _whole_config_priors(self) -> dict[str, TuningConfig]:
         """The NeMo preset a user would copy for this shape, as a whole-config contender in the final
         confirmation: a per-GEMM search can miss a combination that wins as a whole, and the result
@@ -432,7 +309,7 @@ class Autotuner:
         space = build_space(self.topology, self.ctx, [self.reference, *priors], self.space_spec)
         if self.gemms is not None:
             space = {g: v for g, v in space.items() if g in self.gemms}
-        self._agree_on_the_search(space)
+        agree_on_the_search(self.topology, space, self.lockstep, self.group)
         given = self.reference
         self.reference = self.in_dgrad_mode(given, space)
         if self.reference != given:

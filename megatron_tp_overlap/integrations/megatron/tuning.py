@@ -19,9 +19,24 @@ from typing import Any, Optional
 
 from megatron_tp_overlap.engine.options import TuneOptions
 from megatron_tp_overlap.engine.space import TuningConfig
-from megatron_tp_overlap.integrations.megatron.flags import Recipe, recipe, switch_sets
-from megatron_tp_overlap.integrations.megatron.replay import ReadAhead
+from megatron_tp_overlap.integrations.megatron.flags import Recipe, switch_sets
+from megatron_tp_overlap.integrations.megatron.outputs import (  # noqa: F401 - tests and tools reach them here
+    _active,
+    _key_meta,
+    _recipe,
+    _state_check,
+    _tensorboard,
+    _update_report,
+    _verdict,
+    _write_outputs,
+    _write_recipe,
+    _write_yaml,
+    failed_report,
+    recipe_path,
+)
+from megatron_tp_overlap.integrations.megatron.reuse import _check, _reuse  # noqa: F401
 from megatron_tp_overlap.integrations.megatron.run_shape import RunShape
+from megatron_tp_overlap.integrations.megatron.steps import MegatronSteps, trial_microbatches  # noqa: F401
 from megatron_tp_overlap.ub.config import UbConfig
 
 TAG = "[tp-overlap-autotune]"
@@ -49,94 +64,6 @@ def hand_over(tuned: Any) -> Any:
     the cyclic garbage collector, late and slowly (:class:`~integrations.megatron.replay.ReadAhead`)."""
     it, tuned.data_iterator = tuned.data_iterator, None
     return it
-
-
-def trial_microbatches(run_microbatches: int, pipeline_size: int, model_chunks: int, asked: int = 0) -> int:
-    """Micro-batches per trial step: ``asked`` (at most the run's), else the fewest Megatron's schedule takes: 1
-    without pipeline parallelism, a full pipeline with it, and the run's own count with an interleaved schedule (its
-    micro-batch groups must fit)."""
-    if asked > 0:
-        return min(asked, run_microbatches)
-    if model_chunks > 1:
-        return run_microbatches
-    return min(run_microbatches, max(1, pipeline_size))
-
-
-class MegatronSteps:
-    """Trial steps and numerics fingerprints through Megatron's pipeline schedule, on read-ahead batches.
-
-    A trial step runs ``microbatches`` micro-batches (:func:`trial_microbatches`; 0: the fewest the schedule takes),
-    the first ones of the run's first step (replayed to the main loop)."""
-
-    def __init__(
-        self,
-        model: list,
-        forward_step_func: Callable,
-        optimizer: Any,
-        data_iterator: Any,
-        run: RunShape,
-        microbatches: int = 0,
-    ):
-        from megatron.core import parallel_state
-        from megatron.core.num_microbatches_calculator import get_num_microbatches
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-        from megatron.core.rerun_state_machine import get_rerun_state_machine
-
-        from megatron_tp_overlap.engine.numerics import Fingerprint
-        from megatron_tp_overlap.integrations.megatron.state import StateSnapshot
-
-        self.model, self.forward_step_func, self.optimizer, self.run_shape = model, forward_step_func, optimizer, run
-        self.n_mb = trial_microbatches(
-            get_num_microbatches(), parallel_state.get_pipeline_model_parallel_world_size(), len(model), microbatches
-        )
-        self.data = ReadAhead(data_iterator, self.n_mb)
-        self.fb = get_forward_backward_func()
-        self.rerun = get_rerun_state_machine()
-        self.snapshot = StateSnapshot.take(model)
-        self.fp = Fingerprint()
-
-    def _data(self) -> Any:
-        from megatron.core.rerun_state_machine import RerunDataIterator
-
-        its = [RerunDataIterator(iter(c)) if c is not None else None for c in self.data.batches]
-        return its if self.data.is_list else its[0]
-
-    def zero(self) -> None:
-        for chunk in self.model:
-            chunk.zero_grad_buffer()
-        self.optimizer.zero_grad()
-
-    def _run(self) -> list:
-        # Megatron's protocol (as train_step): loss validation is only legal inside this loop.
-        it, losses, r = self._data(), [], self.run_shape
-        while self.rerun.should_run_forward_backward(it):
-            losses = self.fb(
-                forward_step_func=self.forward_step_func,
-                data_iterator=it,
-                model=self.model,
-                num_microbatches=self.n_mb,
-                seq_length=r.seq_length,
-                micro_batch_size=r.micro_batch_size,
-                decoder_seq_length=r.decoder_seq_length,
-                forward_only=False,
-            )
-        return losses
-
-    def step(self) -> None:
-        self._run()
-        self.zero()
-
-    def fingerprint(self) -> Any:
-        import torch
-
-        self.snapshot.restore()  # same dropout masks for every config: dropout is on by default in Megatron
-        self.zero()
-        losses = self._run()
-        vals = [torch.stack([v[0] if v.dim() else v for d in losses for v in d.values()]).float()] if losses else [None]
-        grads = [getattr(p, "main_grad", p.grad) for chunk in self.model for p in chunk.parameters() if p.requires_grad]
-        f = self.fp(vals + grads)
-        self.zero()
-        return f
 
 
 def tune(
@@ -322,67 +249,6 @@ def _verification(
     )
 
 
-def _active(model: list) -> frozenset[str]:
-    """The GEMMs the model's TE modules overlap, as built (the run's flags decide)."""
-    from megatron_tp_overlap.engine.topology import build_topology, find_overlap_modules
-
-    try:
-        return frozenset(build_topology(find_overlap_modules(model)).active)
-    except ValueError:  # no overlap module on this rank (a pipeline stage)
-        return frozenset()
-
-
-def _recipe(config: TuningConfig, active: frozenset[str], output: Path, tp: int) -> Recipe:
-    return recipe(config.ub, config.disabled, active, output, tp=tp)
-
-
-def recipe_path(yaml_path: Path) -> Path:
-    return yaml_path.with_suffix(".recipe.txt")
-
-
-def _write_recipe(yaml_path: Path, r: Recipe, log: Callable) -> None:
-    """``<output minus .yaml>.recipe.txt``: the flags line to paste, and the config fields for Megatron-Bridge / NeMo."""
-    from megatron_tp_overlap.atomic import atomic_write_text
-
-    lines = [
-        "# Megatron-LM flags (add; drop where it says so):",
-        r.line(),
-        "# megatron-core TransformerConfig / Megatron-Bridge model config fields:",
-        *(f"{k} = {v!r}" for k, v in r.fields.items()),
-    ]
-    if r.problem:
-        lines.append(f"# cannot be fully reproduced: {r.problem}")
-    lines += [
-        "# NeMo 2 (from megatron_tp_overlap.ub.layer_cfg import load_layer_cfg):",
-        r.nemo_line(),
-    ]
-    if r.nemo_problem:
-        lines.append(f"# NeMo's TransformerLayerTPOverlapCfg cannot hold this config: {r.nemo_problem}")
-    try:
-        atomic_write_text(recipe_path(yaml_path), "\n".join(lines) + "\n")
-    except OSError as e:
-        log(f"{TAG} WARNING could not write {recipe_path(yaml_path)} ({e}); the recipe is: {r.line()}")
-
-
-def _key_meta(key: Any) -> dict[str, Any]:
-    from dataclasses import asdict
-
-    return asdict(key)
-
-
-def _update_report(yaml_path: Path, extra: dict[str, Any], log: Callable) -> None:
-    import json
-
-    from megatron_tp_overlap.engine.report import write_report
-
-    path = yaml_path.with_suffix(".report.json")
-    try:
-        report = json.loads(path.read_text()) if path.exists() else {}
-        write_report(path, {**report, **extra})
-    except (OSError, ValueError) as e:
-        log(f"{TAG} WARNING could not update {path}: {e}")
-
-
 def _search(
     model: list,
     steps: MegatronSteps,
@@ -493,162 +359,6 @@ def interrupt_on_sigterm(seen: list[int] | None = None) -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
-
-
-def _reuse(
-    cache: Any, key: Any, reference: UbConfig, output: Path, log: Callable[..., None], check: Callable
-) -> tuple[TuningConfig, Any] | None:
-    """The cached config for ``key``, applied after it passed the numerics check (``check``), and the switcher that
-    applied it; rank 0 reads the cache and every rank gets its answer. None: nothing cached, or it failed the
-    check (the starting config is live again)."""
-    import torch
-
-    found = [cache.get(key) if torch.distributed.get_rank() == 0 else None]
-    torch.distributed.broadcast_object_list(found, src=0)
-    if found[0] is None:
-        return None
-    config = TuningConfig(found[0].ub, found[0].disabled, "reused")
-    bad, switcher = check(config)
-    if bad:
-        log(
-            f"{TAG} WARNING the cached config ({cache.root}) fails the numerics check in this run ({bad}): tuning again"
-        )
-        switcher.apply(TuningConfig(reference, frozenset(), "reference"))
-        switcher.close()  # tuning again makes a switcher of its own
-        return None
-    if torch.distributed.get_rank() == 0:
-        _write_yaml(output, config, {"reused_from": str(cache.root), **found[0].meta.get("tuned", {})}, log)
-    log(
-        f"{TAG} reusing the config tuned {found[0].meta.get('date', '')} for this GPU, shape, dtype and TE version "
-        f"({cache.root}), numerics checked in this run: tuning skipped; wrote {output}"
-    )
-    return config, switcher
-
-
-def _check(
-    tuner: Any, steps: MegatronSteps, trial_context: Callable[[], ContextManager], config: TuningConfig
-) -> tuple[str | None, Any]:
-    """The numerics check of ``config`` against no overlap (what tuning checks every candidate with); ``config`` is
-    live afterwards. (why it failed or None, the switcher)."""
-    try:
-        with trial_context():
-            with tuner.agreeing():
-                bad = tuner.verify(config)
-        if not bad:
-            tuner.switcher.apply(config)
-    finally:
-        steps.zero()
-        steps.snapshot.restore()
-    return bad, tuner.switcher
-
-
-def _write_yaml(path: Path, config: TuningConfig, meta: dict[str, Any], log: Callable[..., None]) -> bool:
-    from megatron_tp_overlap.atomic import atomic_write_text
-    from megatron_tp_overlap.engine.report import yaml_header
-    from megatron_tp_overlap.ub.config import dumps_yaml
-
-    text = dumps_yaml(config.ub, yaml_header(config.ub, meta))
-    try:
-        atomic_write_text(path, text, backup=True)
-        return True
-    except OSError as e:  # the run keeps training with the tuned config; the log keeps the YAML
-        log(f"{TAG} WARNING could not write {path} ({e}); the tuned config is:\n{text}")
-        return False
-
-
-def _write_outputs(tuned: Tuned, key: Any, cache: Any, wall_s: float, log: Callable[..., None]) -> None:
-    """Rank 0: the YAML, the report beside it, the cache entry (each atomic; a failure is logged, not fatal)."""
-    import datetime
-    from dataclasses import asdict
-
-    import torch
-
-    from megatron_tp_overlap.engine.report import write_report
-
-    if torch.distributed.get_rank() != 0:
-        return
-    res, out = tuned.result, tuned.yaml_path
-    meta = {**asdict(key), "wall_s": round(wall_s, 2), "chosen": tuned.config.label}
-    ok = _write_yaml(out, tuned.config, meta, log)
-    # a failed tuning's report says so: a report of an earlier run beside this YAML would name another config
-    report = res.report if res is not None else failed_report(tuned.notes, wall_s)
-    try:
-        write_report(
-            out.with_suffix(".report.json"),
-            {**report, "tuning_key": asdict(key), "recipe": tuned.recipe.to_dict(), "notes": tuned.notes},
-        )
-        if res is not None:
-            cache.put(
-                key,
-                tuned.config.ub,
-                tuned.config.disabled,
-                {"date": datetime.date.today().isoformat(), "tuned": {"chosen": tuned.config.label}},
-            )
-    except OSError as e:
-        log(f"{TAG} WARNING could not write the report or the cache entry: {e}")
-    if ok:
-        _write_recipe(out, tuned.recipe, log)
-        log(f"{TAG} wrote {out} ({tuned.config.label}; {wall_s:.1f} s); reproduce with: {tuned.recipe.line()}")
-        if tuned.recipe.problem:
-            log(f"{TAG} WARNING the tuned config cannot be fully reproduced from flags: {tuned.recipe.problem}")
-
-
-def failed_report(notes: list[str], wall_s: float) -> dict[str, Any]:
-    """The report of a tuning that found nothing to choose (every trial failed, or the layout cannot be tuned): the
-    run trains on with its starting config, and the report (read by people and tools like an engine report) says
-    why."""
-    reason = "; ".join(notes) or "tuning failed: training with the starting config"
-    return {"decision": {"chosen": "reference", "reason": reason}, "summary": reason, "meta": {"wall_s": wall_s}}
-
-
-def _state_check(model: list, optimizer: Any, steps: MegatronSteps) -> Any:
-    from megatron_tp_overlap.integrations.megatron.state import StateCheck
-
-    return StateCheck(model, optimizer, replays=steps.data.replays)
-
-
-def _verdict(check: Any, log: Callable[..., None]) -> dict[str, Any]:
-    """The state check's verdict over every rank, logged and for the report."""
-    import torch
-
-    bad, covered = check.mismatches(), check.kinds_checked()
-    if bad:
-        print(f"{TAG} rank {torch.distributed.get_rank()}: training state CHANGED by tuning: {bad}", flush=True)
-    n_bad = torch.tensor([float(len(bad))], device="cuda")
-    torch.distributed.all_reduce(n_bad, op=torch.distributed.ReduceOp.MAX)
-    bad = bad or (["(on another rank)"] if n_bad.item() else [])
-    log(
-        f"{TAG} training state after tuning: "
-        + (
-            f"bitwise identical ({', '.join(f'{v} {k}' for k, v in covered.items())}, RNG CPU/CUDA/TP tracker)"
-            if not bad
-            else f"CHANGED: {bad[:8]}"
-        )
-    )
-    return {
-        "result": "bitwise identical on every rank" if not bad else "CHANGED",
-        "changed_rank0": bad,
-        "checked_rank0": covered,
-    }
-
-
-def _tensorboard(res: Any) -> None:
-    """Tuning results into Megatron's TensorBoard writer, on the rank that has one (the last)."""
-    if res is None:
-        return
-    try:
-        from megatron.training import get_tensorboard_writer
-    except ImportError:  # Megatron-Bridge and NeMo run without megatron.training's globals
-        return
-    writer = get_tensorboard_writer()
-    if writer is None:
-        return
-    for c in res.search.contenders:
-        if c.samples:
-            writer.add_scalar(f"tp-overlap-autotune/step-ms/{c.name}", c.median, 0)
-    writer.add_scalar("tp-overlap-autotune/tuning-seconds", res.wall_s, 0)
-    writer.add_text("tp-overlap-autotune/summary", f"<pre>{res.summary}</pre>", 0)
-    writer.flush()
 
 
 __all__ = ["MegatronSteps", "Tuned", "tune"]

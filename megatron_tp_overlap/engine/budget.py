@@ -1,0 +1,88 @@
+"""What the search can afford: seconds per step, per switch and per continuing trial from the agreed clock, and
+the final decision's reserve. A mixin of :class:`~engine.search.Searcher` (its state: ``opt``, ``elapsed_s``,
+``steps_run``, ``_spent``, ``_outside``, ``_reserve``)."""
+
+from __future__ import annotations
+
+import statistics
+
+from megatron_tp_overlap.engine.trial import (
+    Work,
+)
+
+
+class Budget:
+    """Pricing of the search's work (mixin)."""
+
+    def _can_afford(self, steps: int, reserve: Work | None = None) -> bool:
+        """Whether a trial of ``steps`` (+ warm-up, after a switch) fits, keeping ``reserve`` for later phases and
+        one switch for the final config. Seconds are measured (:meth:`_rates`): the budget is a hard cap on the
+        trials."""
+        need = Work(steps + self.opt.warmup_steps, 1) + (reserve or Work()) + Work(0, 1)
+        steps_ok = need.steps <= self.opt.steps_left(self.steps_run)
+        ok = steps_ok and self.elapsed_s + self._seconds(need) <= self.opt.max_seconds
+        if not ok:
+            self.budget_hit = True
+            self.limit_hit = self.limit_hit or ("time" if steps_ok else "step")
+        return ok
+
+    def _raise_hint(self) -> str:
+        """What to raise when the budget stopped the search: the bound that ran out."""
+        return "raise the step limit" if self.limit_hit == "step" else "raise the time budget"
+
+    def _seconds(self, w: Work) -> float:
+        step_s, switch_s, continuing_s = self._rates()
+        return w.steps * step_s + w.switches * switch_s + w.continuing * continuing_s
+
+    def _rates(self) -> tuple[float, float, float]:
+        """Seconds per step, per trial that switches config and per trial that continues one (beyond its steps),
+        from the agreed clock: a trial spends its steps at their measured time, and a switch (re-init, sync, the
+        idle GPU after it) plus the search's own work between trials. Priced at screening's seconds per step
+        instead (its 3-step trials each switch), the final decision (half of its trials continue a config) cost
+        twice its real time and the budget ended the search early on real H200 steps of 75 ms."""
+        timed = [(i, n, sw, sec, ms) for i, (n, sw, sec, ms) in enumerate(self._spent) if sec > 0]
+        if not any(ms > 0 for *_, ms in timed):
+            per_step = self.elapsed_s / self.steps_run if self.steps_run else 0.0
+            return per_step, 0.0, 0.0
+        step_s = statistics.median(ms for *_, ms in timed if ms > 0) / 1000  # a failed trial (ms 0) has its seconds
+        rest = {
+            sw: [max(0.0, sec - n * step_s) for i, n, s_, sec, _ in timed if s_ == sw and i > 0] for sw in (True, False)
+        }
+        # the first trial's switch also holds one-off costs (on 2 H200s in Megatron: 5.7 s against 0.6 s later):
+        # it prices a switch only until another switch was measured (:meth:`_decision_reserve`)
+        first = [max(0.0, sec - n * step_s) for i, n, _, sec, _ in timed if i == 0]
+        switch_s = statistics.mean(rest[True] or first or [0.0])
+        # a continuing trial, before any ran: the search's own work between trials, at most a switch trial's
+        outside = [max(0.0, sec - wall) for sec, wall in self._outside]
+        continuing_s = (
+            statistics.mean(rest[False]) if rest[False] else min(switch_s, statistics.fmean(outside or [0.0]))
+        )
+        return step_s, switch_s, continuing_s
+
+    def _switch_priced(self) -> bool:
+        """Whether a switch after the first trial was measured (the first one's cost is no price for the rest)."""
+        return any(sw and sec > 0 for _, sw, sec, _ in self._spent[1:])
+
+    def _decision_reserve(self, contenders: int) -> Work:
+        """What the search keeps for the final decision: nothing until a switch after the first trial has a
+        measured price (the first screening trial runs to learn it), then :meth:`plan_decision`, planned once.
+        Planned from the first trial alone, a reserve priced at its one-off costs took the whole 60 s budget on
+        2 H200s in Megatron and the search screened nothing."""
+        if self._reserve is None and self._switch_priced():
+            self._reserve = self.plan_decision(contenders)
+        return self._reserve or Work()
+
+    def plan_decision(self, contenders: int) -> Work:
+        """What to reserve for the final decision; call after the first trial (the cost of a step and of a switch
+        is known). Blocks shrink from ``block_steps`` towards 1 step until the decision needs at most half of what
+        is left of the budget."""
+        o = self.opt
+
+        def too_long(b: int) -> bool:
+            w = o.decision_work(contenders, b)
+            return w.steps > o.steps_left(self.steps_run) / 2 or self._seconds(w) > (o.max_seconds - self.elapsed_s) / 2
+
+        self.block_steps = o.block_steps
+        while self.block_steps > 1 and too_long(self.block_steps):
+            self.block_steps -= 1
+        return o.decision_work(contenders, self.block_steps)

@@ -1,0 +1,261 @@
+"""The final decision: a selection round over the combined config, no overlap, TE's default and the closest preset
+(the reference bracketing them), then the reference against the selected one in ABBA quadruples until the paired
+interval decides (``engine.paired``). A mixin of :class:`~engine.search.Searcher`."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable
+
+from megatron_tp_overlap.engine import paired
+from megatron_tp_overlap.engine.space import TuningConfig, is_valid
+from megatron_tp_overlap.engine.trial import (
+    Contender,
+    SearchResult,
+    Trial,
+    TrialFailed,
+    Work,
+)
+
+
+class FinalDecision:
+    """The selection round and the ABBA decision (mixin)."""
+
+    def _confirm(self, tuned: TuningConfig, baselines: dict[str, TuningConfig], choices: dict) -> SearchResult:
+        o = self.opt
+        cont: list[Contender] = [Contender(n, c) for n, c in baselines.items()]
+        if all(tuned != c.config for c in cont):
+            cont.insert(0, Contender(tuned.label or "autotuned", tuned))
+        # the winner so far with a whole kind of overlap switched off (a flag the user can set, e.g. Megatron's
+        # --no-tp-comm-overlap-ag): cheaper overlap can lose to none where the GEMM is too small to hide anything
+        for name, gemms in self.switch_sets.items():
+            off = frozenset(gemms & self.topo.active)
+            v = TuningConfig(tuned.ub, tuned.disabled | off, f"{tuned.label or 'autotuned'}, {name} off")
+            if off and not off <= tuned.disabled and all(v != c.config for c in cont) and is_valid(v, self.ctx):
+                cont.append(Contender(v.label, v))
+        ref = next((c for c in cont if c.name == "reference"), cont[0])
+        others = [c for c in cont if c is not ref]
+        # 1. selection: every contender once, the reference bracketing them (drift interpolated away)
+        plan: list[Contender] = [ref]
+        for i, c in enumerate(others):
+            plan.append(c)
+            if (i + 1) % o.bracket_every == 0 or i == len(others) - 1:
+                plan.append(ref)
+        self._select_trials(plan, ref)
+        sel = self._selection(ref, others)
+        # 1b. runoff: the contenders ahead of the reference again, in alternating order, until each has
+        # select_passes blocks (one block cannot tell configs ~1% of a step apart)
+        ahead = [c for c in others if sel.get(c.name, 0.0) < 0 and c.name not in self.report_only]
+        ahead = sorted(ahead, key=lambda c: sel[c.name])[: o.runoff]
+        for p in range(1, o.select_passes if len(ahead) > 1 else 1):
+            order = ahead if p % 2 == 0 else ahead[::-1]
+            if not self._select_trials([*order, ref], ref, stop_short=True):
+                break
+            sel = self._selection(ref, others)
+        if not ref.samples:
+            raise TrialFailed("the reference config could not be measured (every trial failed)")
+        rejected: list[str] = []
+        eligible = [c for c in others if c.name in sel and c.name not in self.report_only]
+        winner, reason, decision = ref, "no config was faster than the reference in the selection round", {}
+        undecided: TuningConfig | None = None
+        if not sel and self.budget_hit:  # nothing to compare: say why, not "no config was faster"
+            reason = (
+                f"the budget ({self.opt.budget_text()}) ran out before any candidate was measured against the "
+                f"reference ({self.steps_run} steps, {self.elapsed_s:.1f} s run): keeping the reference "
+                f"({self._raise_hint()})"
+            )
+        while eligible:
+            best = min(eligible, key=lambda c: sel[c.name])
+            if sel[best.name] >= 0:
+                break
+            bad = self._verify(best.config)
+            if bad:
+                rejected.append(f"{best.name} rejected by the numerics check ({bad})")
+                eligible.remove(best)
+                continue
+            # 2. the reference against the selected config, in ABBA quadruples, until the interval decides
+            decision = self.abba(ref, best)
+            slot, step = decision["slot_interval"], decision["step_interval"]
+            ref_ms = decision["reference_step_ms"]
+            if slot.faster and not step.slower:
+                winner = best
+                reason = (
+                    f"{best.name} beats the reference by {slot.describe(ref=ref_ms)} per step in the overlapped "
+                    f"layers; whole step {step.describe(ref=ref_ms)}"
+                )
+            elif slot.faster:
+                reason = (
+                    f"{best.name} is faster in the overlapped layers ({slot.describe(ref=ref_ms)}) but its whole step "
+                    f"is slower ({step.describe(ref=ref_ms)}): keeping the reference"
+                )
+            elif decision["error"]:
+                reason = f"{best.name} failed during the decision ({decision['error']}): keeping the reference"
+            elif decision["quadruples"] < self.opt.min_quads:
+                reason = (
+                    f"best was {best.name}, but the budget left {decision['quadruples']} ABBA quadruples of the "
+                    f"{self.opt.min_quads} a decision needs: keeping the reference ({self._raise_hint()})"
+                )
+            else:
+                reason = (
+                    f"best was {best.name}, {slot.describe(ref=ref_ms)} per step vs the reference: within the noise "
+                    "(not faster beyond the interval), keeping the reference"
+                )
+                if slot.estimate > 0 and not step.slower:  # ahead, unresolved: real iterations can settle it
+                    undecided = TuningConfig(best.config.ub, best.config.disabled, best.name)
+            break
+        if rejected:
+            reason += "; " + "; ".join(rejected)
+        if self.cut_short:
+            reason += "; " + self.cut_short
+        noise = decision["slot_interval"].half_width if decision else 0.0
+        if decision:
+            decision = {
+                **{k: v for k, v in decision.items() if not k.endswith("interval")},
+                "slot_interval": decision["slot_interval"].to_dict(),
+                "step_interval": decision["step_interval"].to_dict(),
+                "selection_gain_ms": {k: round(-v, 4) for k, v in sel.items()},
+            }
+        return SearchResult(
+            best=TuningConfig(winner.config.ub, winner.config.disabled, winner.name),
+            best_name=winner.name,
+            reason=reason,
+            trials=self.trials,
+            contenders=cont,
+            choices=choices,
+            noise_ms=noise if math.isfinite(noise) else math.inf,
+            steps_run=self.steps_run,
+            elapsed_s=self.elapsed_s,
+            budget_hit=self.budget_hit,
+            decision=decision,
+            undecided=undecided,
+            cut_short=self.cut_short,
+        )
+
+    def _select_trials(self, plan: list[Contender], ref: Contender, stop_short: bool = False) -> bool:
+        """One selection block per entry of ``plan`` while the budget keeps the decision's first quadruples;
+        ``stop_short``: run none unless all fit (a runoff pass without its closing reference block tells nothing).
+        False when the budget stopped it."""
+        o = self.opt
+        reserve = o.quads_work(o.min_quads, self.block_steps)
+        if stop_short:  # the first block is _can_afford's own trial; the others go with the reserve
+            rest = len(plan) - 1
+            if not self._can_afford(self.block_steps, reserve + Work(rest * (self.block_steps + o.warmup_steps), rest)):
+                return False
+        for c in plan:
+            if ref.samples and not self._can_afford(self.block_steps, reserve):
+                if stop_short:
+                    return False
+                continue
+            self._decision_trial(c, self.block_steps, "select")
+        return True
+
+    def _selection(self, ref: Contender, others: list[Contender]) -> dict[str, float]:
+        """Per contender: the median over its selection blocks of its slot time minus the reference's at the same
+        moment (ms; negative is faster); contenders not measured, or no reference measured, are left out."""
+        track = self._track([t for t in self.trials if t.phase == "select" and t.tested.get("*") == ref.name])
+        sel: dict[str, float] = {}
+        for c in others:
+            pts = [t for t in self.trials if t.phase == "select" and t.tested.get("*") == c.name and not t.error]
+            vals = [v - track(t.position) for t in pts if (v := self._slot_sum(t)) is not None]
+            if vals and not math.isnan(track(0.0)):  # the reference was measured
+                sel[c.name] = statistics.median(vals)
+        return sel
+
+    def _track(
+        self, trials: list[Trial], score: Callable[[Trial], float | None] | None = None
+    ) -> Callable[[float], float]:
+        """The incumbent's value at any position (steps since tuning began), linearly interpolated between the
+        ``trials`` that measured it (nearest beyond the ends; NaN without any): what it would have measured
+        at that moment, drift included."""
+        score = score or self._slot_sum
+        pts = sorted((t.position, v) for t in trials if not t.error and (v := score(t)) is not None)
+
+        def at(p: float) -> float:
+            if not pts:
+                return math.nan
+            if p <= pts[0][0]:
+                return pts[0][1]
+            for (p0, v0), (p1, v1) in zip(pts, pts[1:]):
+                if p <= p1:
+                    return v0 + (v1 - v0) * (p - p0) / (p1 - p0) if p1 > p0 else v1
+            return pts[-1][1]
+
+        return at
+
+    def _decision_trial(self, c: Contender, steps: int, phase: str) -> Trial:
+        t = self._run(phase, c.config, {"*": c.name}, steps)
+        c.samples.extend(t.step_samples)
+        return t
+
+    def _slot_sum(self, t: Trial) -> float | None:
+        """Median over the trial's steps of the per-step sum over slots (ms): GPU time of the overlapped layers."""
+        per = self._step_slot_sums(t)
+        return statistics.median(per) if per else None
+
+    def _step_slot_sums(self, t: Trial) -> list[float]:
+        cols = list(t.slot_samples.values())
+        if not cols:
+            return []
+        return [sum(c[i] for c in cols) for i in range(min(len(c) for c in cols))]
+
+    def abba(self, ref: Contender, cand: Contender) -> dict:
+        """ABBA quadruples of ``block_steps``-step blocks; from ``min_quads`` on, stop as soon as the slot-time
+        interval excludes zero (either way) or cannot hold a gain of ``rel_floor`` of the step any more, or at
+        the budget. Per quadruple the reference runs A1 then (after the candidate's two blocks) A2 and the next
+        quadruple's A1 without a switch: each config has one block right after a switch and one after its own
+        block, so effects of the position since a switch cancel too. Every block is a trial of its own: a trial
+        ends with a device sync and host work (the GPU idles briefly), and a config's second block must follow
+        that gap as its first follows a switch, for both configs alike (with B's two blocks in one trial, A's
+        continuing block alone followed a gap: on real H200 steps the reference then measured 0.06-0.55% of a step
+        faster than an equal candidate in 7 of 7 decisions, benchmarks/results/2026-11-23_h200x1/search_on_real_steps/)."""
+        o, bs = self.opt, self.block_steps
+        order: list[int] = []
+        slot_blocks: list[float] = []
+        step_blocks: list[float] = []
+        quads, error = 0, None
+        slot_iv = step_iv = paired.gain_interval([], o.level)
+        rest_of_quad = Work(3 * bs + o.warmup_steps, 1, 2)  # after its first block
+        while quads < o.max_quads and error is None and self._can_afford(bs, rest_of_quad):
+            for which in paired.QUAD:
+                c = cand if which == paired.B else ref
+                continuing = bool(order) and order[-1] == which
+                t = self._run("confirm", c.config, {"*": c.name}, bs, warmup=0 if continuing else None)
+                if t.error:
+                    error = t.error
+                    break
+                c.samples.extend(t.step_samples)
+                slot_blocks.append(statistics.median(self._step_slot_sums(t) or t.step_samples))
+                step_blocks.append(statistics.median(t.step_samples))
+                order.append(which)
+            else:
+                quads += 1
+            if quads >= o.min_quads and error is None:
+                slot_iv = paired.gain_interval(paired.quad_gains(slot_blocks[: 4 * quads], order), o.level)
+                step_iv = paired.gain_interval(paired.quad_gains(step_blocks[: 4 * quads], order), o.level)
+                ref_ms = statistics.median(v for v, w in zip(step_blocks, order) if w == paired.A)
+                if slot_iv.faster or slot_iv.slower or slot_iv.high < o.rel_floor * ref_ms:
+                    break
+        ref_blocks = [v for v, w in zip(step_blocks, order) if w == paired.A]
+        ref_ms = statistics.median(ref_blocks) if ref_blocks else math.nan
+        drift = (max(ref_blocks) - min(ref_blocks)) / ref_ms if ref_blocks else 0.0
+        return {
+            "candidate": cand.name,
+            "quadruples": quads,
+            "block_steps": bs,
+            "level": o.level,
+            "error": error,
+            "slot_interval": slot_iv,
+            "step_interval": step_iv,
+            "reference_step_ms": ref_ms,
+            "noise_pct_of_step": round(100 * slot_iv.half_width / ref_ms, 3)
+            if ref_blocks and math.isfinite(slot_iv.half_width)
+            else None,
+            "reference_drift_pct": round(100 * drift, 2),
+            "drift_note": (
+                f"the reference's step time ranged {100 * drift:.1f}% over the decision: the ABBA order cancels a "
+                "linear drift, and a sudden change moves one quadruple by one rank"
+                if drift > 0.02
+                else "no drift above 2% of a step seen"
+            ),
+        }
