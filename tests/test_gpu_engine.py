@@ -72,3 +72,24 @@ def test_engine_tunes_switches_and_matches_no_overlap(tmp_path):
     from megatron_tp_overlap.ub.rules import ValidationContext, load_and_validate
 
     load_and_validate(tmp_path / "engine_tp2_tuned.yaml", ValidationContext(tp_size=2))
+
+
+def test_agreements_without_gloo_over_nccl(tmp_path):
+    """Megatron's --disable-gloo-process-groups: the tuning's agreements use a dedicated NCCL communicator, carry the
+    failure and its reason, and no gloo group of ours exists (engine.lockstep, gloo=False)."""
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs")
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=2",
+        str(ROOT / "tests/gpu_agreement_ranks.py"),
+    ]
+    subprocess.run([*cmd, str(tmp_path)], check=True, timeout=300, cwd=ROOT)
+    for r in range(2):
+        d = json.loads((tmp_path / f"r{r}.json").read_text())
+        assert d["kinds"] == ["nccl"] and d["gloo_groups"] == 0, d
+        assert "NCCL all-reduce over a dedicated communicator (no gloo group)" in d["describe"]
+        assert d["max"][:2] == [1.0, 0.0] and d["max"][2] != d["max"][2]  # NaN: not measured on rank 1
+        assert d["ok"] is False and d["failure"].startswith("rank 1: ZeroDivisionError")

@@ -313,6 +313,26 @@ def test_a_switch_keeps_megatrons_compiled_fusions_but_not_other_compiled_code(f
     torch.compiler.reset()
 
 
+def test_a_failed_switch_cleans_up_without_resetting_megatrons_compiled_fusions(fake_te, tmp_path):
+    """A switch whose initialize_ub raises destroys what it made; that destroy_ub (TE's resets torch.compile) keeps
+    Megatron's fusions compiled as a switch's own does: on the old code it reset them, and in a process that had never
+    imported torch._dynamo the reset imported it after tuning froze the heap (every later collection walked it)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list as entries
+
+    from megatron_tp_overlap.engine import faults
+
+    torch.compiler.reset()
+    fused = _compiled_from(tmp_path / "megatron/core/fusions/fused_bias_swiglu.py", FUSION, "bias_swiglu")
+    fused(torch.randn(4, 4, requires_grad=True), torch.randn(4)).sum().backward()
+    code = fused._torchdynamo_orig_callable.__code__
+    sw = ub_runtime.UbSwitcher(fakes.fake_init_args(), find_overlap_modules(fakes.fake_model(layers=1)))
+    sw.apply(TuningConfig(UbConfig()))
+    with pytest.raises(faults.InjectedFault), faults.inside_initialize_ub(True):
+        sw.apply(TuningConfig(UbConfig().with_entry("fc2_fprop", GemmOverlapConfig(method="pipeline", num_sm=8))))
+    assert fake_te.destroys == 2 and entries(code)  # the switch's destroy and the failed init's: neither reset it
+    torch.compiler.reset()
+
+
 def test_fusion_names_are_matched_exactly():
     f = ub_runtime._is_fusion
     assert f("/x/megatron/core/fusions/fused_bias_gelu.py", "bias_gelu")

@@ -520,7 +520,7 @@ def test_a_failed_tuning_trains_on_and_only_an_interrupt_ends_the_run(monkeypatc
     import torch
 
     from megatron_tp_overlap.engine.search import TrialFailed
-    from megatron_tp_overlap.engine.tuner import TopologyMismatch
+    from megatron_tp_overlap.engine.topology import TopologyMismatch
     from megatron_tp_overlap.integrations.megatron import tuning
     from megatron_tp_overlap.ub.config import UbConfig
 

@@ -39,3 +39,13 @@ def test_rs_dgrad_and_every_kind_off_together(monkeypatch):
     args = parse(r.add, monkeypatch)
     assert args.tp_comm_overlap_rs_dgrad and not args.tp_comm_overlap_rs
     assert all(getattr(args, k) == v for k, v in r.fields.items())
+
+
+def test_disable_gloo_process_groups_reaches_the_tuning(monkeypatch):
+    """Megatron's own parser with --disable-gloo-process-groups and our flag: the tuning then creates no gloo group
+    (its agreements: a dedicated NCCL communicator; tests/test_gpu_engine.py runs it on 2 GPUs)."""
+    from megatron_tp_overlap.integrations.megatron.groups import gloo_groups_enabled
+
+    args = parse(["--disable-gloo-process-groups"], monkeypatch)  # with our flags in the parser (parse())
+    assert args.disable_gloo_process_groups and not gloo_groups_enabled(args)
+    assert gloo_groups_enabled(parse([], monkeypatch))

@@ -65,7 +65,7 @@ def test_the_tuner_lands_within_1pct_of_the_slot_exhaustive_search_with_half_its
     about half of the exhaustive search's steps (median over seeds; the issue asks <= 50%, the design takes 169 of
     336 = 50.3% when both decide in 6 quadruples); two disturbances: 2% i.i.d. noise and the oscillation measured
     in real Megatron iterations."""
-    res = decision_sim.evaluate_rule(40, ("iid", "locked"), vs_exhaustive=True)
+    res = decision_sim.evaluate_rule(20, ("iid", "locked"), vs_exhaustive=True)  # 40 seeds: the simulator's table
     for scenario, r in res.items():
         assert r["vs_exhaustive_beyond_1pct"] == 0, (scenario, r)
         assert r["steps_vs_exhaustive"] <= 0.51, (scenario, r)

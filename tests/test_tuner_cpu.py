@@ -299,7 +299,7 @@ def test_the_moved_reference_must_pass_the_numerics_check(fake_te):
 
 def _stage_main(rank: int, world: int, init_file: str, out_dir: str) -> None:
     """4 ranks whose stages differ: ranks 0, 1 hold whole layers, rank 2 attention only, rank 3 no overlap module."""
-    from megatron_tp_overlap.engine.tuner import TopologyMismatch
+    from megatron_tp_overlap.engine.topology import TopologyMismatch
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     te = fakes.FakeTE()

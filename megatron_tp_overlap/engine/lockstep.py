@@ -62,7 +62,7 @@ EXIT_CODE = 70  # os.EX_SOFTWARE: an internal error ended the job (a rank failed
 # How long a rank that is not blocked may take to reach the next agreement after a peer failed: one step at most.
 # Far above any tuned step, far below NCCL's timeout (Megatron: 10 min).
 GRACE_S = 60.0
-POLL_S = 0.5  # the watcher reads its node's failure file this often (a local file: no network, no store)
+POLL_S = 0.1  # the watcher reads its node's failure file this often (a local stat: no network, no store)
 WAIT_S = 3600.0  # the relay's store wait is posted again after this (a timeout logs a c10d warning: keep it rare)
 CLOSED = "closed"  # the relay's last message: the tuning is over
 # Beyond this many ranks a trial agrees after its switch and at its end only, not between its steps: at 16,000 ranks

@@ -293,7 +293,8 @@ class UbSwitcher:
         except BaseException:
             self.abort_bootstrap()
             if getattr(base, "_ub_communicators", None) is not None:
-                base.destroy_ub()
+                with keeping_compiled_fusions():  # as a switch's own destroy: the fusions stay compiled
+                    base.destroy_ub()
             self.current = None
             raise
 

@@ -266,7 +266,7 @@ def _search(
 
     from megatron_tp_overlap.engine.progress import TuningProgress
     from megatron_tp_overlap.engine.search import TrialFailed
-    from megatron_tp_overlap.engine.tuner import TopologyMismatch
+    from megatron_tp_overlap.engine.topology import TopologyMismatch
 
     progress = TuningProgress(enabled=torch.distributed.get_rank() == 0)
     tuner = _make_tuner(model, steps, init, run, options, reference, log, progress.update)
