@@ -137,6 +137,8 @@ def test_gloo_groups_are_off_where_megatron_set_up_none(monkeypatch):
     assert not gloo_groups_enabled()  # initialize_model_parallel(create_gloo_process_groups=False)
     ps._DATA_PARALLEL_GROUP_GLOO = object()
     assert gloo_groups_enabled()
-    assert not gloo_groups_enabled(types.SimpleNamespace(disable_gloo_process_groups=True))  # Megatron-LM's flag
+    assert not gloo_groups_enabled(types.SimpleNamespace(use_gloo_process_groups=False))  # Megatron-LM's flag (0.19)
+    assert not gloo_groups_enabled(types.SimpleNamespace(disable_gloo_process_groups=True))  # (before 0.19)
+    assert gloo_groups_enabled(types.SimpleNamespace(use_gloo_process_groups=True))
     ps.model_parallel_is_initialized = lambda: False
     assert gloo_groups_enabled()

@@ -47,5 +47,5 @@ def test_disable_gloo_process_groups_reaches_the_tuning(monkeypatch):
     from megatron_tp_overlap.integrations.megatron.groups import gloo_groups_enabled
 
     args = parse(["--disable-gloo-process-groups"], monkeypatch)  # with our flags in the parser (parse())
-    assert args.disable_gloo_process_groups and not gloo_groups_enabled(args)
+    assert args.use_gloo_process_groups is False and not gloo_groups_enabled(args)  # core_v0.19's attribute
     assert gloo_groups_enabled(parse([], monkeypatch))

@@ -8,10 +8,13 @@ from typing import Any
 
 
 def gloo_groups_enabled(args: Any = None) -> bool:
-    """False when Megatron's ``args`` say ``--disable-gloo-process-groups``, or when megatron-core's model-parallel
-    state was initialized without gloo groups (``initialize_model_parallel(create_gloo_process_groups=False)``, which
+    """False when Megatron's ``args`` say ``--disable-gloo-process-groups`` (``use_gloo_process_groups=False`` since
+    Megatron-LM core_v0.19; ``disable_gloo_process_groups`` before), or when megatron-core's model-parallel state was
+    initialized without gloo groups (``initialize_model_parallel(create_gloo_process_groups=False)``, which
     Megatron-LM, Megatron-Bridge and NeMo all call): its data-parallel gloo group is then None."""
-    if args is not None and getattr(args, "disable_gloo_process_groups", False):
+    if args is not None and (
+        getattr(args, "use_gloo_process_groups", True) is False or getattr(args, "disable_gloo_process_groups", False)
+    ):
         return False
     try:
         from megatron.core import parallel_state as ps
