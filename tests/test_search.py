@@ -181,6 +181,24 @@ def test_the_first_trials_one_off_costs_do_not_price_every_switch():
     assert res.elapsed_s <= 20 and res.budget_hit and any(t.phase == "select" for t in res.trials)
 
 
+def test_a_slow_first_trial_prices_no_switch_before_a_later_one_is_measured():
+    """2 H200s (engine_tune with a 20 s budget; Megatron-LM with 30 s on a cold machine): the first trial took 4.9-7 s
+    and the next did not re-initialize userbuffers; priced at the first trial's overhead, screening's reserved switches
+    took the whole budget and the search ended after 2 trials, "0 of 89 options screened". Until a switch after the
+    first is measured none is priced (the next trial measures one: at most one trial beyond the budget)."""
+    from megatron_tp_overlap.engine.trial import Work
+
+    space = build_space(sim.TOPO, sim.CTX, [UbConfig()])
+    s = Searcher(sim.TOPO, space, lambda *a: None, sim.CTX, SearchOptions(max_seconds=20))
+    s._spent = [(7, True, 4.9, 13.0), (3, False, 0.2, 13.0)]  # (steps, switched, seconds, ms per step)
+    s.elapsed_s, s.steps_run = 5.1, 10
+    step_s, switch_s, _ = s._rates()
+    assert step_s == pytest.approx(0.013) and switch_s == 0.0
+    assert s._can_afford(3, Work(6, 2))  # screening goes on
+    s._spent.append((3, True, 0.25, 13.0))
+    assert s._rates()[1] == pytest.approx(0.25 - 3 * 0.013)  # then the measured switch prices the rest
+
+
 def test_a_numerics_check_between_trials_is_priced_as_the_switch_it_is():
     """The numerics check applies the config it checks, so the trial after it switches even when it runs the last
     trial's config. Counted as continuing that config, its switch (0.9 s, as GPT-3 20B layers on 2 H200s) priced every

@@ -48,10 +48,11 @@ class Budget:
         rest = {
             sw: [max(0.0, sec - n * step_s) for i, n, s_, sec, _ in timed if s_ == sw and i > 0] for sw in (True, False)
         }
-        # the first trial's switch also holds one-off costs (on 2 H200s in Megatron: 5.7 s against 0.6 s later):
-        # it prices a switch only until another switch was measured (:meth:`_decision_reserve`)
-        first = [max(0.0, sec - n * step_s) for i, n, _, sec, _ in timed if i == 0]
-        switch_s = statistics.mean(rest[True] or first or [0.0])
+        # the first trial's switch also holds one-off costs (on 2 H200s in Megatron: 5.7 s against 0.6 s later; 4.9 s
+        # in engine_tune): it prices no switch. Until a later switch is measured a switch is priced at nothing, so the
+        # next trial (which switches) measures it: priced at the first trial's, 4 switches of screening's reserve took
+        # a 20-30 s budget and the search stopped after 2 trials (2 H200s, 2026-11-24); at most one trial beyond
+        switch_s = statistics.mean(rest[True] or [0.0])
         # a continuing trial, before any ran: the search's own work between trials, at most a switch trial's
         outside = [max(0.0, sec - wall) for sec, wall in self._outside]
         continuing_s = (
