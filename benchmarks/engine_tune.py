@@ -74,11 +74,12 @@ def kernel_counts(step) -> dict:
     return {**counts, "names": sorted(names)}
 
 
-def flag_kernel_check(model, step, sw, topo, reference, no_overlap, space=None) -> dict:
+def flag_kernel_check(model, step, sw, topo, reference, no_overlap, ctx) -> dict:
     """Show that TE follows the module flags set between steps: for each GEMM switched off alone (and each kind,
     and all of them: "no overlap"), the step's userbuffers kernels/copies drop and NCCL kernels appear; for qkv/fc1
-    dgrad flipped live from bulk to GEMM + reduce-scatter (the first such option of ``space``), other kernels run."""
-    from megatron_tp_overlap.engine.space import TuningConfig, apply
+    dgrad flipped live from bulk to GEMM + reduce-scatter (the first such option of the search space under ``ctx``),
+    other kernels run."""
+    from megatron_tp_overlap.engine.space import TuningConfig, apply, build_space
     from megatron_tp_overlap.integrations.megatron.flags import KIND_SWITCHES
 
     out = {}
@@ -87,9 +88,10 @@ def flag_kernel_check(model, step, sw, topo, reference, no_overlap, space=None) 
         for n, k in KIND_SWITCHES.items()
         if k.gemms & topo.active
     ]
+    space = build_space(topo, ctx, [reference.ub])
     flips = []
     for g in ("qkv_dgrad", "fc1_dgrad"):
-        rs = [o for o in (space or {}).get(g, []) if o.enabled and o.cfg]
+        rs = [o for o in space.get(g, []) if o.enabled and o.cfg]
         rs = [c for c in (apply(reference, o, topo) for o in rs) if c.ub.dgrad_is_reduce_scatter(g)]
         if rs and not reference.ub.dgrad_is_reduce_scatter(g):
             flips.append((f"dgrad flipped to GEMM+RS: {g}", rs[0]))
@@ -285,8 +287,7 @@ def main() -> None:
     flags = None
     if args.check_flags:
         try:
-            space = build_space(topo, tuner.ctx, [reference])
-            flags = flag_kernel_check(model, step, sw, topo, reference, no_overlap, space)
+            flags = flag_kernel_check(model, step, sw, topo, reference, no_overlap, tuner.ctx)
         except Exception as e:  # noqa: BLE001 - evidence, not the point of the run
             flags = {"error": f"{type(e).__name__}: {e}"}
 

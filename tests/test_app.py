@@ -194,3 +194,32 @@ def test_the_run_records_which_model_the_dimensions_came_from(tmp_path):
     summarize(tmp_path, tmp_path / "tuned.yaml")
     assert json.loads((tmp_path / "tuned.report.json").read_text())["model"]["source"] == "shipped"
     assert (tmp_path / "tp_overlap.png").stat().st_size > 0
+
+
+def test_the_last_line_names_the_in_run_verification_only_when_it_ran(tmp_path, capsys):
+    """The main job's last line: the median after the verification's iterations (and the one its switch back ran
+    in) when it ran; when it did not (the tuning kept the reference), every iteration counts and none is called
+    the verification's (the TP=2 main job printed "after the 1 iterations of the in-run verification" there)."""
+    import json
+    from pathlib import Path
+
+    from megatron_tp_overlap.app.train import summarize
+
+    results = Path(__file__).parents[1] / "benchmarks" / "results" / "2026-11-21_h200x4"
+    (tmp_path / "model.json").write_text("{}")
+    # ms between iterations: 100, 100, 100 (verification), 10 x 20 ms
+    t, times = 0.0, []
+    for ms in [100, 100, 100] + [20] * 10:
+        times.append(t)
+        t += ms / 1e3
+    times.append(t)
+    (tmp_path / "iterations.rank0").write_text("".join(json.dumps({"t": x}) + "\n" for x in times))
+    for iterations, expected in [(0, None), (2, "after the 2 iterations of the in-run verification")]:
+        report = json.loads((results / "engine_tp4_tuning_report.json").read_text())
+        report["in_run_verification"] = {"iterations": iterations} if iterations else None
+        (tmp_path / "tuned.report.json").write_text(json.dumps(report))
+        summarize(tmp_path, tmp_path / "tuned.yaml")
+        last = capsys.readouterr().out.strip().splitlines()[-1]
+        assert ("in-run verification" in last) == bool(expected), last
+        assert expected is None or expected in last
+        assert "median time between iterations" in last and (" 20.0 ms" in last), last

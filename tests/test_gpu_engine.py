@@ -48,6 +48,7 @@ def test_engine_tunes_switches_and_matches_no_overlap(tmp_path):
     # each per-kind switch the search may choose really changes the kernels that run (torch profiler): fewer
     # userbuffers kernels, more NCCL ones than with every kind on
     k = d["flag_kernel_check"]
+    assert "error" not in k, k["error"]  # the check's own failure, not a missing key
     on = k["all on (TE default)"]
     for name in ("AG overlap", "RS overlap", "bulk dgrad", "bulk wgrad"):
         off = k[f"kind off: {name}"]

@@ -189,7 +189,7 @@ def test_the_kernel_check_covers_no_overlap_each_kind_and_the_dgrad_flipped_live
     reduce-scatter; the live config is the reference again afterwards."""
     import fakes
 
-    from megatron_tp_overlap.engine.space import TuningConfig, all_off, build_space
+    from megatron_tp_overlap.engine.space import TuningConfig, all_off
     from megatron_tp_overlap.engine.topology import build_topology, find_overlap_modules
     from megatron_tp_overlap.ub.config import UbConfig
     from megatron_tp_overlap.ub.rules import ValidationContext
@@ -197,11 +197,11 @@ def test_the_kernel_check_covers_no_overlap_each_kind_and_the_dgrad_flipped_live
     et = _load("engine_tune")
     topo = build_topology(find_overlap_modules(fakes.fake_model(layers=2)))
     reference = TuningConfig(UbConfig(), frozenset(), "TE default")
-    space = build_space(topo, ValidationContext(sm_count=132, tp_size=2), [UbConfig()])
     applied = []
     sw = type("Sw", (), {"apply": lambda self, c: applied.append(c)})()
     monkeypatch.setattr(et, "kernel_counts", lambda step: {"config": applied[-1]})
-    out = et.flag_kernel_check(None, lambda: None, sw, topo, reference, all_off(topo, reference), space)
+    ctx = ValidationContext(sm_count=132, tp_size=2)
+    out = et.flag_kernel_check(None, lambda: None, sw, topo, reference, all_off(topo, reference), ctx)
     assert out["all off"]["config"] == all_off(topo, reference) and applied[-1] == reference
     assert {"kind off: AG overlap", "kind off: RS overlap", "kind off: bulk dgrad", "kind off: bulk wgrad"} <= set(out)
     for g in ("qkv_dgrad", "fc1_dgrad"):

@@ -184,12 +184,13 @@ def summarize(run_dir: Path, tuned_yaml: Path) -> None:
 
         data = json.loads(report.read_text())
         data["model"] = json.loads((run_dir / "model.json").read_text())
-        verified = (data.get("in_run_verification") or {}).get("iterations", 0) + 1
+        verified = (data.get("in_run_verification") or {}).get("iterations", 0)
         atomic_write_text(report, json.dumps(data, indent=1, default=str) + "\n")
         from megatron_tp_overlap.tools.plots import plot_report
 
         print(f"{TAG} plot: {plot_report(data, run_dir / 'tp_overlap.png', step_ms=step_ms[1:])}")
-    steady = step_ms[verified:] if len(step_ms) > verified else step_ms
+    skip = verified + 1 if verified else 0  # and the iteration its last switch back ran in
+    steady = step_ms[skip:] if len(step_ms) > skip else step_ms
     if steady:
         tail = sorted(steady[len(steady) // 5 :])
         after = f" (after the {verified} iterations of the in-run verification)" if verified else ""
