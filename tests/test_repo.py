@@ -31,3 +31,18 @@ def test_no_module_of_the_package_is_over_400_lines():
         if (n := len(p.read_text().splitlines())) > 400
     }
     assert long == {}
+
+
+def test_every_result_folder_is_reachable_from_the_index():
+    """Each folder of benchmarks/results is named in the index (benchmarks/results/README.md) or in the README of a
+    folder above it that the index names: no figure is lost in the notebook."""
+    results = ROOT / "benchmarks" / "results"
+    missing = []
+    for d in sorted(p for p in results.rglob("*") if p.is_dir()):
+        rel = d.relative_to(results)
+        readmes = [results / "README.md"] + [results / a / "README.md" for a in reversed(rel.parents) if str(a) != "."]
+        names = {str(rel)} | {str(rel.relative_to(a)) for a in rel.parents if str(a) != "."}
+        texts = [p.read_text() for p in readmes if p.exists()]
+        if not any(n in t for n in names for t in texts):
+            missing.append(str(rel))
+    assert missing == []
