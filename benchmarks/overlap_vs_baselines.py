@@ -7,7 +7,10 @@ Per case (TP = all processes), the fwd+bwd step time of a stack of te.Transforme
 --steps steps per round, --rounds interleaved rounds, spread reported) with: no TP overlap (NCCL),
 TE default ub_cfgs, the closest NeMo preset, the slot-exhaustive best and the autotuner; the
 communication-only time of the same collectives (NCCL, standalone: per layer 6 all-gathers and 4
-reduce-scatters of the [tokens, hidden] activation, in bf16); overlap efficiency (T_no_overlap - T) / T_comm.
+reduce-scatters of the [tokens, hidden] activation, in bf16); overlap efficiency (T_no_overlap - T) / T_comm; per
+slot (qkv, proj, fc1/fc2 forward and backward) the share of its communication hidden by TE's default, the worst
+autotune repeat and the slot-exhaustive best, next to the bound: what each collective's own GEMM, timed alone, can
+cover.
 With --fp8, GEMMs and userbuffers in FP8 as in a Megatron-LM run with --fp8-format hybrid (delayed scaling), the
 closest FP8 preset; the comm-only time stays bf16 (an upper bound: FP8 all-gathers move half the bytes).
 Writes overlap_vs_baselines_tp{N}[_fp8].json / .md and a bar chart.
@@ -52,6 +55,77 @@ AG_PER_LAYER, RS_PER_LAYER = 6, 4  # fwd: 2 AG + 2 RS; bwd: 2 AG of grads, 2 AG 
 
 def efficiency(t_no_overlap: float, t: float, t_comm: float) -> float:
     return (t_no_overlap - t) / t_comm if t_comm > 0 else 0.0
+
+
+def slot_pairs(d, tokens: int, tp: int) -> dict[str, list[tuple[str, tuple[int, int, int]]]]:
+    """Per slot of one layer, each TP collective with the GEMM that overlaps it in TE's default layout: ("ag" | "rs",
+    (m, k, n)) for an all-gather / reduce-scatter of the [tokens, hidden] activation and a GEMM [m, k] @ [k, n] on one
+    rank. 6 all-gathers and 4 reduce-scatters per layer (``AG_PER_LAYER``, ``RS_PER_LAYER``); a wgrad that waits for
+    its dgrad's all-gather (proj, fc2) covers nothing. ``mlp.*`` (``te.LayerNormMLP``) is fc1 and fc2 together."""
+    h, t = d.hidden, tokens
+    qkv, attn = (d.heads + 2 * d.kv_heads) * d.head_dim // tp, d.heads * d.head_dim // tp
+    fc1, ffn = (2 if d.gated_mlp else 1) * d.ffn // tp, d.ffn // tp
+    out = {
+        "qkv.fwd": [("ag", (t, h, qkv))],
+        "qkv.bwd": [("ag", (t, qkv, h)), ("rs", (qkv, t, h))],  # bulk: dgrad hides ln_out's AG, wgrad the dgrad RS
+        "proj.fwd": [("rs", (t, attn, h))],
+        "proj.bwd": [("ag", (t, h, attn))],
+        "fc1.fwd": [("ag", (t, h, fc1))],
+        "fc1.bwd": [("ag", (t, fc1, h)), ("rs", (fc1, t, h))],
+        "fc2.fwd": [("rs", (t, ffn, h))],
+        "fc2.bwd": [("ag", (t, h, ffn))],
+    }
+    out["mlp.fwd"], out["mlp.bwd"] = out["fc1.fwd"] + out["fc2.fwd"], out["fc2.bwd"] + out["fc1.bwd"]
+    return out
+
+
+def slot_bounds(
+    pairs: dict[str, list], gemm_ms: dict[tuple, float], comm_ms: dict[str, float], layers: int
+) -> dict[str, dict[str, float]]:
+    """Per slot (ms over ``layers``): its communication alone, and the most of it that its GEMMs can hide (each
+    collective at most its own GEMM's time alone: ``sum(min(comm, gemm))``)."""
+    out = {}
+    for slot, ps in pairs.items():
+        comm = layers * sum(comm_ms[k] for k, _ in ps)
+        bound = layers * sum(min(comm_ms[k], gemm_ms[mkn]) for k, mkn in ps)
+        out[slot] = {"comm_ms": comm, "bound_ms": bound, "bound_share": bound / comm if comm > 0 else 0.0}
+    return out
+
+
+def hidden_shares(bounds: dict[str, dict[str, float]], summaries: dict[str, list[dict]]) -> list[dict]:
+    """One row per slot the tuning timed: the share of its communication each config hid, ``(no overlap - config) /
+    comm`` from the slot times of a tuning report's summary, next to the bound. ``summaries``: ``{label: summary}``;
+    "TE default" is read as the reference of the first summary."""
+    first = next(iter(summaries.values()), [])
+    rows = []
+    for r in first:
+        if r["slot"] not in bounds or r["no_overlap_ms"] is None:
+            continue
+        b = bounds[r["slot"]]
+        row = {"slot": r["slot"], **{k: round(v, 4) for k, v in b.items()}}
+        cols = {"TE default": r["reference_ms"]}
+        for name, summary in summaries.items():
+            cols[name] = next((x["chosen_ms"] for x in summary if x["slot"] == r["slot"]), None)
+        row["hidden_share"] = {
+            k: None if v is None or b["comm_ms"] <= 0 else round((r["no_overlap_ms"] - v) / b["comm_ms"], 3)
+            for k, v in cols.items()
+        }
+        rows.append(row)
+    return rows
+
+
+def gemm_alone_ms(shapes, iters: int = 20) -> dict[tuple, float]:
+    """Median ms of each GEMM [m, k] @ [k, n] alone (bf16, the max over the ranks)."""
+    import torch
+
+    from megatron_tp_overlap.engine.measure import median_cuda_ms
+
+    out = {}
+    for m, k, n in sorted(set(shapes)):
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+        out[(m, k, n)] = median_cuda_ms(lambda a=a, b=b: a @ b, iters)
+    return out
 
 
 def targets(med: dict[str, float], autotune: list[dict], exhaustive: dict | None, t_comm: float) -> dict:
@@ -140,6 +214,10 @@ def run_case(
         "dims": d.__dict__,
     }
     out["comm_only"] = comm_only_ms(seq * mbs, d.hidden, layers)
+    pairs = slot_pairs(d, seq * mbs, tp)
+    gemms = gemm_alone_ms([mkn for ps in pairs.values() for _, mkn in ps])
+    comm = {"ag": out["comm_only"]["all_gather_ms"], "rs": out["comm_only"]["reduce_scatter_ms"]}
+    bounds = slot_bounds(pairs, gemms, comm, layers)
 
     contenders = {"no overlap": None, "TE default": TuningConfig(UbConfig(), frozenset(), "TE default")}
     preset = closest_preset(d.hidden, tp, fp8=fp8)
@@ -203,6 +281,11 @@ def run_case(
     }
     out["comm_fraction_of_no_overlap"] = round(t_comm / t_no, 3)
     out["targets"] = targets(med, out["autotune"], out.get("slot_exhaustive"), t_comm)
+    worst = out["targets"]["worst"]
+    summaries = {a["name"]: a["report"]["summary"] for a in out["autotune"] if a["name"] == worst}
+    if "slot_exhaustive" in out:
+        summaries["slot-exhaustive best"] = out["slot_exhaustive"]["report"]["summary"]
+    out["slots"] = hidden_shares(bounds, summaries)
     del stack, sw, tuner
     gc.collect()
     torch.cuda.synchronize()
@@ -242,7 +325,35 @@ def render(results: list[dict]) -> str:
                 f"| {label(r)} | {a['name']} | {t['vs_best_baseline_pct']:+.2f} | {vs_ex} | {steps} | {a['wall_s']:.1f} "
                 f"| {' '.join(a['decision'].split())[:90]} |"
             )
+    if any(r.get("slots") for r in results):
+        lines += [
+            "",
+            "Per slot (ms over the layers): communication alone, the most its own GEMMs can hide (bound), and the "
+            "share hidden by each config, (no overlap - config) / comm, from the tunings' slot times (bf16 GEMMs "
+            "and collectives alone; in FP8 an upper bound)",
+            "",
+            "| case | slot | comm ms | bound ms (share) | hidden: " + " / ".join(_share_names(results)) + " |",
+            "|---|---|---|---|---|",
+        ]
+        for r in results:
+            for s in r.get("slots", []):
+                shares = " / ".join(
+                    "-" if (v := s["hidden_share"].get(n)) is None else f"{v:.2f}" for n in _share_names(results)
+                )
+                lines.append(
+                    f"| {label(r)} | {s['slot']} | {s['comm_ms']:.3f} | {s['bound_ms']:.3f} ({s['bound_share']:.2f}) "
+                    f"| {shares} |"
+                )
     return "\n".join(lines)
+
+
+def _share_names(results: list[dict]) -> list[str]:
+    """Column names of the per-slot shares: TE default, the worst autotune repeat, the slot-exhaustive best."""
+    names: list[str] = []
+    for r in results:
+        for s in r.get("slots", []):
+            names += [n for n in s["hidden_share"] if n not in names]
+    return names
 
 
 def plot(results: list[dict], path: Path) -> None:

@@ -1,4 +1,5 @@
-"""GPU tests (``pytest -m gpu`` on a machine with >= 2 GPUs, TE and torchrun); skipped elsewhere."""
+"""GPU tests (``pytest -m gpu`` on a machine with >= 2 GPUs, TE and torchrun); skipped elsewhere. They run at the TP
+size of the machine: its GPU count rounded down to a power of two, at most 8 (2, 4 or 8 H200s: TP=2, 4, 8)."""
 
 import json
 import subprocess
@@ -13,19 +14,22 @@ pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _need_gpus(n: int) -> None:
-    if not torch.cuda.is_available() or torch.cuda.device_count() < n:
-        pytest.skip(f"needs {n} CUDA GPUs")
-    pytest.importorskip("transformer_engine.pytorch")
+def _tp_size() -> int:
+    """TP size of the machine (skips the test below 2 GPUs)."""
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if n < 2:
+        pytest.skip("needs 2 CUDA GPUs")
+    return 1 << (min(n, 8).bit_length() - 1)
 
 
 def test_engine_tunes_switches_and_matches_no_overlap(tmp_path):
-    _need_gpus(2)
+    tp = _tp_size()
+    pytest.importorskip("transformer_engine.pytorch")
     cmd = [
         sys.executable,
         "-m",
         "torch.distributed.run",
-        "--nproc-per-node=2",
+        f"--nproc-per-node={tp}",
         str(ROOT / "benchmarks/engine_tune.py"),
         "--layers",
         "2",
@@ -44,7 +48,7 @@ def test_engine_tunes_switches_and_matches_no_overlap(tmp_path):
         str(tmp_path),
     ]
     subprocess.run(cmd, check=True, timeout=600, cwd=ROOT)
-    d = json.loads((tmp_path / "engine_tp2.json").read_text())
+    d = json.loads((tmp_path / f"engine_tp{tp}.json").read_text())
     # each per-kind switch the search may choose really changes the kernels that run (torch profiler): fewer
     # userbuffers kernels, more NCCL ones than with every kind on
     k = d["flag_kernel_check"]
@@ -72,25 +76,24 @@ def test_engine_tunes_switches_and_matches_no_overlap(tmp_path):
     assert d["stale_guard"]["numerics_after"]["dgrad_input"] <= d["numerics"]["rtol"]
     from megatron_tp_overlap.ub.rules import ValidationContext, load_and_validate
 
-    load_and_validate(tmp_path / "engine_tp2_tuned.yaml", ValidationContext(tp_size=2))
+    load_and_validate(tmp_path / f"engine_tp{tp}_tuned.yaml", ValidationContext(tp_size=tp))
 
 
 def test_agreements_without_gloo_over_nccl(tmp_path):
     """Megatron's --disable-gloo-process-groups: the tuning's agreements use a dedicated NCCL communicator, carry the
     failure and its reason, and no gloo group of ours exists (engine.lockstep, gloo=False)."""
-    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 CUDA GPUs")
+    tp = _tp_size()
     cmd = [
         sys.executable,
         "-m",
         "torch.distributed.run",
-        "--nproc-per-node=2",
+        f"--nproc-per-node={tp}",
         str(ROOT / "tests/gpu_agreement_ranks.py"),
     ]
     subprocess.run([*cmd, str(tmp_path)], check=True, timeout=300, cwd=ROOT)
-    for r in range(2):
+    for r in range(tp):
         d = json.loads((tmp_path / f"r{r}.json").read_text())
         assert d["kinds"] == ["nccl"] and d["gloo_groups"] == 0, d
         assert "NCCL all-reduce over a dedicated communicator (no gloo group)" in d["describe"]
-        assert d["max"][:2] == [1.0, 0.0] and d["max"][2] != d["max"][2]  # NaN: not measured on rank 1
+        assert d["max"][:2] == [tp - 1, 0.0] and d["max"][2] != d["max"][2]  # NaN: not measured on rank 1
         assert d["ok"] is False and d["failure"].startswith("rank 1: ZeroDivisionError")

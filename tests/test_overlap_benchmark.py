@@ -45,6 +45,40 @@ def test_targets_judge_every_repeat_and_name_the_worst():
     assert ob.targets(med, autos[:1], None, 2.0)["within_1pct_of_exhaustive"] is None  # --no-exhaustive
 
 
+def test_slot_pairs_cover_every_collective_of_a_layer_with_the_gemm_that_hides_it():
+    """Per layer 6 all-gathers and 4 reduce-scatters (as the comm-only time counts them), each paired with a GEMM of
+    its own slot whose shapes follow the model at the TP size; te.LayerNormMLP's mlp slots are fc1 and fc2."""
+    from megatron_tp_overlap.models import load_model_dims
+
+    d = load_model_dims(ob.CASES["llama3_70b"][0])  # h8192, ffn 28672, 64 / 8 heads, head 128, SwiGLU
+    pairs = ob.slot_pairs(d, tokens=8192, tp=8)
+    per_module = [s for s in pairs if not s.startswith("mlp.")]
+    kinds = [k for s in per_module for k, _ in pairs[s]]
+    assert kinds.count("ag") == ob.AG_PER_LAYER and kinds.count("rs") == ob.RS_PER_LAYER
+    assert pairs["qkv.fwd"] == [("ag", (8192, 8192, (64 + 16) * 128 // 8))]
+    assert pairs["fc1.fwd"] == [("ag", (8192, 8192, 2 * 28672 // 8))] and pairs["fc2.fwd"] == [
+        ("rs", (8192, 3584, 8192))
+    ]
+    assert pairs["mlp.bwd"] == pairs["fc2.bwd"] + pairs["fc1.bwd"]
+    gpt = load_model_dims("gpt3/gpt3-175b")  # not gated: fc1 is ffn wide
+    assert ob.slot_pairs(gpt, 2048, 8)["fc1.fwd"] == [("ag", (2048, 12288, gpt.ffn // 8))]
+
+
+def test_slot_bound_and_hidden_shares():
+    """The bound hides each collective at most for its own GEMM's time; a config's hidden share is its slot time
+    saved against no overlap over the slot's communication; slots the tuning did not time are left out."""
+    pairs = {"qkv.bwd": [("ag", (1, 2, 3)), ("rs", (3, 2, 1))], "proj.fwd": [("rs", (4, 4, 4))]}
+    b = ob.slot_bounds(pairs, {(1, 2, 3): 0.5, (3, 2, 1): 3.0, (4, 4, 4): 0.25}, {"ag": 1.0, "rs": 2.0}, layers=2)
+    assert b["qkv.bwd"] == {"comm_ms": 6.0, "bound_ms": 5.0, "bound_share": 5 / 6}
+    assert b["proj.fwd"] == {"comm_ms": 4.0, "bound_ms": 0.5, "bound_share": 0.125}
+    row = {"reference_ms": 9.0, "no_overlap_ms": 10.0}
+    auto = [{"slot": "qkv.bwd", "chosen_ms": 7.0, **row}, {"slot": "step", "chosen_ms": 50.0, **row}]
+    ex = [{"slot": "qkv.bwd", "chosen_ms": 6.4, **row}]
+    rows = ob.hidden_shares(b, {"autotuned #2": auto, "slot-exhaustive best": ex})
+    assert [r["slot"] for r in rows] == ["qkv.bwd"]
+    assert rows[0]["hidden_share"] == {"TE default": 0.167, "autotuned #2": 0.5, "slot-exhaustive best": 0.6}
+
+
 def test_render_and_plot(tmp_path):
     r = {
         "case": "llama3_8b",
@@ -58,9 +92,20 @@ def test_render_and_plot(tmp_path):
             {"name": "autotuned", "steps": 120, "wall_s": 41.0, "decision": "autotuned beats the\n reference"}
         ],
         "slot_exhaustive": {"steps": 300},
+        "slots": [
+            {
+                "slot": "qkv.fwd",
+                "comm_ms": 1.5,
+                "bound_ms": 1.2,
+                "bound_share": 0.8,
+                "hidden_share": {"TE default": 0.4, "autotuned": 0.55, "slot-exhaustive best": None},
+            }
+        ],
     }
     r["targets"] = ob.targets({k: v["median"] for k, v in r["step_ms"].items()}, r["autotune"], None, 2.0)
     text = ob.render([r])
+    assert "hidden: TE default / autotuned / slot-exhaustive best |" in text
+    assert "| llama3_8b | qkv.fwd | 1.500 | 1.200 (0.80) | 0.40 / 0.55 / - |" in text
     assert "| llama3_8b | 4 | autotuned | 8.800 | 0.100 | 0.60 | 2.000 |" in text
     assert "| llama3_8b | autotuned | -12.00 | - | 120 (40% of 300) | 41.0 | autotuned beats the reference |" in text
     ob.plot([r], tmp_path / "b.png")
