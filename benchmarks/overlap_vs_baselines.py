@@ -31,7 +31,8 @@ CASES = {  # name: (shipped model config, seq, micro-batch)
     "llama3_8b": ("meta-llama/Meta-Llama-3-8B", 8192, 1),
     "llama3_70b": ("meta-llama/Meta-Llama-3-70B", 4096, 1),
     "gpt3_20b": ("gpt3/gpt3-20b", 2048, 2),
-    "llama3_70b_seq8192": ("meta-llama/Meta-Llama-3-70B", 8192, 1),  # the TP=8 case
+    "llama3_70b_seq8192": ("meta-llama/Meta-Llama-3-70B", 8192, 1),  # NeMo's TP=4 presets' shape; the TP=8 case
+    "gpt3_175b": ("gpt3/gpt3-175b", 2048, 1),  # TP=8
 }
 DEFAULT_CASES = ("llama3_8b", "llama3_70b", "gpt3_20b")
 SHAPES: dict = {}  # name -> (ModelDims, seq, mbs), from --shape (shapes no shipped config has)
