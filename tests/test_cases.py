@@ -20,7 +20,7 @@ def _load(name: str):
     return mod
 
 
-suite = _load("suite")
+suite, ovb, mega = _load("suite"), _load("overlap_vs_baselines"), _load("megatron_autotune")
 CASES = suite.load_cases()
 
 
@@ -48,7 +48,6 @@ def test_each_gpu_case_is_ready_to_run_on_its_machine(name):
     ]
     assert all(n == gpus for n in nprocs), (name, gpus, nprocs)
 
-    ovb = _load("overlap_vs_baselines")
     for words in _segments(cmd, "benchmarks/overlap_vs_baselines.py"):
         from megatron_tp_overlap.models import load_model_dims
 
@@ -59,7 +58,6 @@ def test_each_gpu_case_is_ready_to_run_on_its_machine(name):
             for what, v in (("heads", d.heads), ("kv heads", d.kv_heads), ("ffn", d.ffn), ("tokens", seq * mbs)):
                 assert v % gpus == 0, (name, c, what, v, gpus)
 
-    mega = _load("megatron_autotune")
     for words in _segments(cmd, "benchmarks/megatron_autotune.py"):
         tp = int(_opt(words, "--tp", 2))
         assert gpus % tp == 0, (name, tp)
