@@ -69,10 +69,11 @@ def _ranks(rank, world, init, out):
     from megatron_tp_overlap.engine.lockstep import Lockstep, PeerFailed
 
     res = {}
-    fds = len(os.listdir("/proc/self/fd"))
-    # blocks of 2, a chain of 3 leaders (fan-out 1): depth 2, 6 hops for the last block
+    # blocks of 2, a chain of 3 leaders (fan-out 1): depth 2, 6 hops for the last block. Connections per rank are
+    # bounded by the layout (test above); descriptors are measured by benchmarks/agreement_scale.py, not here: at 6
+    # ranks the bound cannot tell a tree from a full mesh, and transient descriptors made it flaky (16 vs 15 on a
+    # clean 2-core clone)
     ls = Lockstep(local_size=2, fanout=1)
-    res["fds"] = len(os.listdir("/proc/self/fd")) - fds
     res["max"] = ls.agree_max([rank, -rank, math.nan if rank == 5 else 1.0])
     res["hops"] = ls.hops
     res["long"] = ls.agree_max([rank + i for i in range(CAPACITY + 10)])[-1]  # two rounds, one agreement point each
@@ -116,7 +117,6 @@ def test_six_ranks_agree_over_a_two_level_tree_and_learn_who_failed_at_the_same_
             r["ok"] is False and r["failure"].startswith("rank 4: ZeroDivisionError") and r["epoch"] == rs[0]["epoch"]
         )
         assert r["last_step"][0] == "rank 1: Error: in the last step" and r["last_step"][1] == [1.0]
-        assert r["fds"] <= (2 - 1) + 2 * 1 + 3 * 4  # pairs of its groups + a few per group: not N - 1
         assert r["collective_True"][:2] == [5.0, False] and r["collective_True"][2].startswith(
             "rank 2: ZeroDivisionError"
         )
