@@ -64,8 +64,8 @@ def slot_pairs(d, tokens: int, tp: int) -> dict[str, list[tuple[str, tuple[int, 
     rank. 6 all-gathers and 4 reduce-scatters per layer (``AG_PER_LAYER``, ``RS_PER_LAYER``); a wgrad that waits for
     its dgrad's all-gather (proj, fc2) covers nothing. ``mlp.*`` (``te.LayerNormMLP``) is fc1 and fc2 together."""
     h, t = d.hidden, tokens
-    qkv, attn = (d.heads + 2 * d.kv_heads) * d.head_dim // tp, d.heads * d.head_dim // tp
-    fc1, ffn = (2 if d.gated_mlp else 1) * d.ffn // tp, d.ffn // tp
+    qkv, attn = d.qkv_out // tp, d.heads * d.head_dim // tp
+    fc1, ffn = d.fc1_out // tp, d.ffn // tp
     out = {
         "qkv.fwd": [("ag", (t, h, qkv))],
         "qkv.bwd": [("ag", (t, qkv, h)), ("rs", (qkv, t, h))],  # bulk: dgrad hides ln_out's AG, wgrad the dgrad RS

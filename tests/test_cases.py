@@ -3,24 +3,14 @@ match the GPUs it names, every layer shape it names exists and splits over its T
 over the TP size, and its main-job overrides pass the app's own validation. A case that would die on the lent
 machine at start-up costs a multi-GPU session; these checks cost nothing."""
 
-import importlib.util
 import re
 import shlex
 from pathlib import Path
 
 import pytest
+from benchmark_module import load_benchmark
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-suite, ovb, mega = _load("suite"), _load("overlap_vs_baselines"), _load("megatron_autotune")
+suite, ovb, mega = (load_benchmark(n) for n in ("suite", "overlap_vs_baselines", "megatron_autotune"))
 CASES = suite.load_cases()
 
 

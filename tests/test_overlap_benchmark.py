@@ -1,15 +1,11 @@
 """The benchmarks' pure parts: efficiency arithmetic, report and chart from a result, the realized-vs-exhaustive scaling."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
+from benchmark_module import load_benchmark as _load
 
-PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "overlap_vs_baselines.py"
-spec = importlib.util.spec_from_file_location("overlap_vs_baselines", PATH)
-ob = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(ob)
+ob = _load("overlap_vs_baselines")
 
 
 def test_efficiency():
@@ -113,27 +109,11 @@ def test_render_and_plot(tmp_path):
 
 
 def test_predecessor_effect_plan_interleaves_every_order():
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location(
-        "pe", Path(__file__).parents[1] / "benchmarks" / "studies" / "predecessor_effect.py"
-    )
-    pe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(pe)
+    pe = _load("predecessor_effect")
     p = pe.plan(3)
     assert [o for o, _ in p] == list(pe.ORDERS) * 3 and dict(p)["flags"] == "off"
     s = pe.summarize({"same": [1.0, 3.0, 2.0], "flags": []})
     assert s == {"same": {"median": 2.0, "spread": 2.0, "rounds": 3}}
-
-
-def _load(name):
-    here = Path(__file__).resolve().parents[1] / "benchmarks"
-    path = next(p for p in (here / f"{name}.py", here / "studies" / f"{name}.py") if p.exists())
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def test_compile_reset_summary_takes_the_iterations_after_each_switch_against_the_rest():
