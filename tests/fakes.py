@@ -212,3 +212,77 @@ def fake_init_args(tp: int = 2) -> Any:
     from megatron_tp_overlap.engine.switcher import UbInitArgs
 
     return UbInitArgs(shape=[64, 8], tp_size=tp, dtype="bf16", bootstrap_backend="nccl")
+
+
+class ColumnLinear(Linear):
+    """A column-parallel TE ``Linear`` as megatron-core builds an MoE layer's shared-expert fc1: only the all-gather
+    of its forward overlaps (``TELinear`` passes ub_overlap_ag/ub_overlap_rs alone)."""
+
+    def __init__(self, hidden: int, ub_name: str, scale: float = 1.0):
+        super().__init__(hidden, ub_name, scale)
+        self.parallel_mode = "column"
+        self.ub_overlap_ag_fprop, self.ub_overlap_rs_fprop, self.ub_overlap_ag_dgrad = True, False, False
+
+    def enabled(self, g: str) -> bool:
+        return self.ub_overlap_ag_fprop if g.endswith("fprop") else False
+
+
+class GroupedLinear(torch.nn.Module):
+    """TE's grouped GEMM of the routed experts: no userbuffers flags (TE cannot overlap it)."""
+
+    def __init__(self, hidden: int, tp_size: int = 2):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.eye(hidden))
+        self.parallel_mode, self.tp_size = "column", tp_size
+
+    def forward(self, x):
+        return x @ self.weight
+
+
+class Router(torch.nn.Module):
+    """A router's state outside parameters: tokens per expert counted in every forward, an aux-loss-free expert bias
+    moved after every backward (megatron-core's ``finalize_model_grads`` hook, where the framework set it)."""
+
+    def __init__(self, hidden: int, experts: int = 4):
+        super().__init__()
+        self.weight = torch.nn.Parameter(0.01 * torch.ones(experts, hidden))
+        self.register_buffer("local_tokens_per_expert", torch.zeros(experts))
+        self.register_buffer("expert_bias", torch.zeros(experts))
+
+    def forward(self, x):
+        logits = x @ self.weight.t()
+        with torch.no_grad():
+            self.local_tokens_per_expert += torch.bincount(logits.argmax(-1), minlength=len(self.expert_bias))
+            self.expert_bias -= 1e-3 * torch.sign(self.local_tokens_per_expert - self.local_tokens_per_expert.mean())
+        return x * torch.sigmoid(logits.sum(-1, keepdim=True))
+
+
+class SharedExperts(torch.nn.Module):
+    def __init__(self, hidden: int, scale: float):
+        super().__init__()
+        self.linear_fc1, self.linear_fc2 = ColumnLinear(hidden, "fc1", scale), Linear(hidden, "fc2", scale)
+
+    def forward(self, x):
+        return self.linear_fc2(self.linear_fc1(x))
+
+
+class MoEBlock(torch.nn.Module):
+    """Attention (qkv/proj), a router, routed experts and a shared expert, named as megatron-core names them."""
+
+    def __init__(self, hidden: int, scale: float = 1.0):
+        super().__init__()
+        self.qkv, self.proj = LayerNormLinear(hidden, "qkv", scale), Linear(hidden, "proj", scale)
+        self.router, self.experts = Router(hidden), GroupedLinear(hidden)
+        self.shared_experts = SharedExperts(hidden, scale)
+
+    def forward(self, x):
+        h = self.proj(self.qkv(x)) + x
+        r = self.router(h)
+        return self.experts(r) + self.shared_experts(h) + h
+
+
+def fake_moe_model(dense: int = 1, moe: int = 1, hidden: int = 8, scale: float = 1.0) -> torch.nn.Module:
+    """``dense`` dense blocks, then ``moe`` MoE blocks (megatron-core's --moe-layer-freq with dense layers first)."""
+    return torch.nn.Sequential(
+        *[Block(hidden, scale) for _ in range(dense)], *[MoEBlock(hidden, scale) for _ in range(moe)]
+    )

@@ -468,7 +468,6 @@ CATALOG: list[tuple[str, Callable[[], str], tuple[str, ...]]] = [
         lambda: megatron_error(recompute_granularity="selective", recompute_modules=["core_attn", "mlp"]),
         ("--recompute-modules core_attn mlp", "count twice"),
     ),
-    ("megatron: mixture of experts", lambda: megatron_error(num_experts=8), ("--num-experts 8", "not supported yet")),
     ("megatron: CUDA graphs", lambda: megatron_error(cuda_graph_impl="local"), ("--cuda-graph-impl local",)),
     (
         "cli sweep: malformed local config.json",

@@ -50,10 +50,26 @@ def test_round_trip_keeps_switched_off_gemms_and_every_key_field_matters(tmp_pat
         "rs_dgrad": True,
         "reference": "1" * 12,
         "space": "allow_off",
+        "moe": "experts=8,topk=2,ffn=1024,shared=2048",
     }
     assert set(changed) == {f.name for f in dataclasses.fields(TuningKey)}  # a new key field gets a case here
     for k, v in changed.items():
         assert c.get(dataclasses.replace(KEY, **{k: v})) is None, k
+
+
+def test_a_dense_models_key_is_stored_as_before_moe_support(tmp_path):
+    """An entry written before the key had ``moe`` (every entry until then: dense models) is still found: the dense key
+    keeps its digest and its stored form; an MoE key differs from the dense one of the same shapes."""
+    import hashlib
+    import json
+
+    old = {f.name: getattr(KEY, f.name) for f in dataclasses.fields(TuningKey) if f.name != "moe"}
+    assert KEY.digest() == hashlib.sha256(json.dumps(old, sort_keys=True).encode()).hexdigest()[:16]
+    c = TunedConfigCache(tmp_path)
+    c.put(KEY, PRESETS["userbuffers_bf16_h100_h8192_tp4_mbs1_seqlen8192"])
+    meta = json.loads(next(tmp_path.glob("*.json")).read_text())
+    assert meta["key"] == old and c.get(KEY) is not None
+    assert dataclasses.replace(KEY, moe="experts=8").digest() != KEY.digest()
 
 
 def test_corrupt_or_mismatched_entries_are_ignored_with_a_warning(tmp_path):

@@ -615,20 +615,24 @@ def test_an_undecided_config_is_verified_in_the_run_and_written_only_when_the_ru
 
 
 @pytest.mark.parametrize(
-    "run_mb, pp, chunks, asked, expected",
+    "run_mb, pp, chunks, asked, group, expected",
     [
-        (8, 1, 1, 0, 1),  # no pipeline: one micro-batch
-        (8, 4, 1, 0, 4),  # 1F1B: a full pipeline
-        (2, 4, 1, 0, 2),  # never more than the run has
-        (8, 4, 2, 0, 8),  # interleaved: the run's own count (its micro-batch groups must fit)
-        (8, 1, 1, 3, 3),  # asked
-        (8, 1, 1, 20, 8),  # asked, at most the run's
+        (8, 1, 1, 0, 0, 1),  # no pipeline: one micro-batch
+        (8, 4, 1, 0, 0, 4),  # 1F1B: a full pipeline
+        (2, 4, 1, 0, 0, 2),  # never more than the run has
+        (64, 4, 2, 0, 0, 4),  # interleaved: one micro-batch group (the pipeline size), not the run's 64
+        (64, 4, 5, 0, 6, 6),  # interleaved with --microbatch-group-size-per-virtual-pipeline-stage 6
+        (64, 2, 2, 3, 0, 2),  # asked 3 under VP: 1 left over a group of 2 would be a bubble the schedule refuses
+        (64, 4, 2, 6, 4, 4),  # asked 6: a group of 4 and a remainder of 2 < PP 4 -> 4
+        (64, 4, 2, 1, 4, 4),  # asked fewer than a group: one group
+        (8, 1, 1, 3, 0, 3),  # asked
+        (8, 1, 1, 20, 0, 8),  # asked, at most the run's
     ],
 )
-def test_trial_steps_run_the_fewest_micro_batches_the_schedule_takes(run_mb, pp, chunks, asked, expected):
+def test_trial_steps_run_the_fewest_micro_batches_the_schedule_takes(run_mb, pp, chunks, asked, group, expected):
     from megatron_tp_overlap.integrations.megatron.tuning import trial_microbatches
 
-    assert trial_microbatches(run_mb, pp, chunks, asked) == expected
+    assert trial_microbatches(run_mb, pp, chunks, asked, group) == expected
 
 
 def test_a_failed_tuning_replaces_an_earlier_report_with_one_that_says_so(tmp_path, monkeypatch):

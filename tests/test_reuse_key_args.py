@@ -36,7 +36,8 @@ BASE = (
 SHAPE_FIELD = re.compile(
     r"hidden_size|ffn|attention_heads|query_groups|kv_channels|gated_linear_unit|tensor_model_parallel|"
     r"context_parallel|sequence_parallel|^fp8$|^fp8_recipe$|^fp4$|^fp4_recipe$|params_dtype|^bf16$|^fp16$|tp_comm|"
-    r"first_last_layers_bf16|layers_at_(start|end)_in_bf16|num_moe_experts"
+    r"first_last_layers_bf16|layers_at_(start|end)_in_bf16|num_moe_experts|^moe_ffn|^moe_shared_expert_intermediate|"
+    r"^moe_router_topk$|^moe_layer_freq$|^moe_shared_expert_overlap$"
 )
 # what the key holds some other way, or what changes no GEMM shape or communication; the reason is the rule
 COVERED_ELSEWHERE = {

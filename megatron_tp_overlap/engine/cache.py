@@ -43,9 +43,17 @@ class TuningKey:
     rs_dgrad: bool
     reference: str  # digest of the config tuning starts from
     space: str  # what the search may choose (e.g. "allow_off")
+    moe: str = ""  # an MoE model's layout (experts, top-k, expert and shared-expert FFN, MoE layers); "" when dense
+
+    def record(self) -> dict[str, Any]:
+        """The key as stored: a dense model's without ``moe`` (its entries from before MoE support still match)."""
+        d = asdict(self)
+        if not d["moe"]:
+            del d["moe"]
+        return d
 
     def digest(self) -> str:
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+        return hashlib.sha256(json.dumps(self.record(), sort_keys=True).encode()).hexdigest()[:16]
 
 
 def config_digest(ub: UbConfig) -> str:
@@ -83,7 +91,7 @@ class TunedConfigCache:
         with self._lock():
             try:
                 meta = json.loads(meta_path.read_text())
-                if meta.get("key") != asdict(key):
+                if meta.get("key") != key.record():
                     raise ValueError("key mismatch")
                 ub = loads_yaml(yaml_path.read_text(), str(yaml_path))
                 if meta.get("ub_cfgs_digest") != config_digest(ub):  # YAML and metadata of different writes
@@ -100,7 +108,7 @@ class TunedConfigCache:
         with self._lock():
             atomic_write_text(yaml_path, dumps_yaml(ub, header=f"megatron-tp-overlap cache entry {key.digest()}"))
             record = {
-                "key": asdict(key),
+                "key": key.record(),
                 "ub_cfgs_digest": config_digest(ub),
                 "overlap_off": sorted(disabled),
                 **(meta or {}),

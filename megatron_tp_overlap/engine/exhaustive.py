@@ -46,9 +46,11 @@ def slot_exhaustive(searcher: Searcher, reference: TuningConfig, baselines: dict
     searcher._slot_samples = {}
     o = searcher.opt
     combos: dict[str, list[tuple[Option, ...]]] = {}
-    for slot, gemms in searcher.topo.slots().items():
-        opts = [[None] + [x for x in searcher.space.get(g, []) if len(searcher._slots_of(x)) == 1] for g in gemms]
-        combos[slot] = [opts for c, opts in combinations(searcher, reference, opts) if c != reference]
+    groups = searcher.topo.slot_groups()  # one slot each, but slots sharing a GEMM (shared experts) together
+    for group, slots in groups.items():
+        gemms = list(dict.fromkeys(g for s in slots for g in searcher.topo.slots()[s]))
+        opts = [[None] + [x for x in searcher.space.get(g, []) if searcher._slots_of(x) <= set(slots)] for g in gemms]
+        combos[group] = [opts for c, opts in combinations(searcher, reference, opts) if c != reference]
     total = sum(len(v) for v in combos.values())
     if total > o.max_exhaustive * 8:
         raise ValueError(
@@ -73,17 +75,18 @@ def slot_exhaustive(searcher: Searcher, reference: TuningConfig, baselines: dict
         if t.error:
             continue
         for slot in tested:
-            vals = searcher._slot_samples[config].get(slot, [])[-o.screen_steps :]
+            vals = searcher._score(searcher._slot_samples[config], frozenset(groups[slot]))
             if vals:
-                scores[(slot, combos[slot][r])] = vals
+                scores[(slot, combos[slot][r])] = vals[-o.screen_steps :]
     inc = searcher._slot_samples.get(reference, {})
     combined, choices = reference, {}
     for slot in combos:
         cands = [(k[1], v) for k, v in scores.items() if k[0] == slot]
-        if not cands or not inc.get(slot):
+        inc_vals = searcher._score(inc, frozenset(groups[slot]))
+        if not cands or not inc_vals:
             continue
         best, vals = min(cands, key=lambda kv: statistics.median(kv[1]))
-        gain = statistics.median(inc[slot]) - statistics.median(vals)
+        gain = statistics.median(inc_vals) - statistics.median(vals)
         choices[slot] = {
             "option": "; ".join(f"{x.gemm}: {x.label}" for x in best),
             "gain_ms": round(gain, 4),

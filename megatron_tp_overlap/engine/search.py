@@ -131,7 +131,7 @@ class Searcher(FinalDecision, Budget):
 
     # -- coordinate search ------------------------------------------------------------------------
     def _slots_of(self, opt: Option) -> frozenset[str]:
-        return frozenset(self.topo.slot_of(g) for g in (self.topo.coupled(opt.gemm) or {opt.gemm}))
+        return frozenset(s for g in (self.topo.coupled(opt.gemm) or {opt.gemm}) for s in self.topo.slots_of(g))
 
     def _score(self, samples: dict[str, list[float]], slots: frozenset[str]) -> list[float] | None:
         """Per-step sum over ``slots``; None when a slot was not timed."""

@@ -20,6 +20,11 @@ from megatron_tp_overlap.ub.config import EXTERNAL_GEMMS, GEMM_NAMES, UbConfig
 COLUMN_FLAGS = ("ub_overlap_ag_fprop", "ub_overlap_rs_dgrad", "ub_bulk_dgrad", "ub_bulk_wgrad")
 ROW_FLAGS = ("ub_overlap_rs_fprop", "ub_overlap_ag_dgrad")
 MLP_FLAGS = ("ub_overlap_ag", "ub_overlap_rs", "ub_overlap_rs_dgrad", "ub_bulk_dgrad", "ub_bulk_wgrad")
+# Megatron's shared experts (an MoE layer's ``shared_experts.linear_fc1/linear_fc2``): TE linears named fc1/fc2, so they
+# run the fc1/fc2 userbuffers configs (one config per name), but with their own N and only the AG/RS flags; they are
+# timed in slots of their own ("shared_fc1.fwd", ...), and a config of fc1/fc2 is scored over every slot it runs in.
+SHARED_EXPERT_PATH = "shared_expert"
+SHARED_PREFIX = "shared_"
 # The flags a module was built with, kept on the module at its first discovery: a tuning leaves the flags of the
 # config it chose (a GEMM switched off, dgrad flipped to reduce-scatter), and a later tuning of the same model (a
 # benchmark's repeat, a re-tune) must see the model as it was built, not a smaller space with another reference.
@@ -49,8 +54,13 @@ class OverlapModule:
     built_flags: dict[str, bool]
 
     @property
+    def shared_expert(self) -> bool:
+        return SHARED_EXPERT_PATH in self.path
+
+    @property
     def slot_prefix(self) -> str:
-        return self.name
+        """The timed slots' prefix: the ub name, ``shared_<name>`` for an MoE layer's shared expert."""
+        return SHARED_PREFIX + self.name if self.shared_expert else self.name
 
     def active_gemms(self) -> set[str]:
         """GEMMs this module overlaps with the flags it was built with."""
@@ -112,9 +122,12 @@ class Topology:
     Modules run one after another, so every slot can try a different candidate in the same step.
     """
 
-    kinds: tuple[tuple[str, str], ...]  # (ub name, kind), e.g. (("qkv","column"), ("proj","row"), ("mlp","mlp"))
+    kinds: tuple[tuple[str, str], ...]  # (slot prefix, kind), e.g. (("qkv","column"), ("proj","row"), ("mlp","mlp"))
     active: frozenset[str]
     layers: int
+    # per slot prefix, the GEMMs its modules overlap, where they differ from ``active`` (shared experts overlap their
+    # AG/RS only); a prefix not listed overlaps every active GEMM of its modules
+    prefix_active: tuple[tuple[str, frozenset[str]], ...] = ()
 
     @property
     def fused_mlp(self) -> bool:
@@ -123,18 +136,37 @@ class Topology:
     def slots(self) -> dict[str, tuple[str, ...]]:
         """``{"qkv.fwd": ("qkv_fprop",), "qkv.bwd": ("qkv_dgrad", "qkv_wgrad"), ...}`` (active GEMMs)."""
         out: dict[str, tuple[str, ...]] = {}
-        for name, kind in self.kinds:
+        own = dict(self.prefix_active)
+        for prefix, kind in self.kinds:
+            name = prefix.removeprefix(SHARED_PREFIX)
             mods = ("fc1", "fc2") if kind == "mlp" else (name,)
-            fwd = tuple(g for m in mods for g in (f"{m}_fprop",) if g in self.active)
-            bwd = tuple(g for m in reversed(mods) for g in (f"{m}_dgrad", f"{m}_wgrad") if g in self.active)
-            out[f"{name}.fwd"], out[f"{name}.bwd"] = fwd, bwd
+            active = own.get(prefix, self.active)
+            fwd = tuple(g for m in mods for g in (f"{m}_fprop",) if g in active)
+            bwd = tuple(g for m in reversed(mods) for g in (f"{m}_dgrad", f"{m}_wgrad") if g in active)
+            out[f"{prefix}.fwd"], out[f"{prefix}.bwd"] = fwd, bwd
         return out
 
+    def slots_of(self, gemm: str) -> tuple[str, ...]:
+        """Every slot whose time ``gemm``'s config changes (two where shared experts run the same config)."""
+        found = tuple(slot for slot, gemms in self.slots().items() if gemm in gemms)
+        if not found:
+            raise KeyError(f"{gemm} is not overlapped by any module of this model")
+        return found
+
     def slot_of(self, gemm: str) -> str:
+        """The first slot of :meth:`slots_of` (the only one in a dense model)."""
+        return self.slots_of(gemm)[0]
+
+    def slot_groups(self) -> dict[str, tuple[str, ...]]:
+        """Slots that share a GEMM, merged: ``{"fc1.fwd+shared_fc1.fwd": ("fc1.fwd", "shared_fc1.fwd"), ...}``
+        (one slot each in a dense model); an exhaustive search must try a GEMM's options over its whole group."""
+        groups: list[list[str]] = []
         for slot, gemms in self.slots().items():
-            if gemm in gemms:
-                return slot
-        raise KeyError(f"{gemm} is not overlapped by any module of this model")
+            joined = [g for g in groups if any(set(gemms) & set(self.slots()[s]) for s in g)]
+            merged = [slot] + [s for g in joined for s in g]
+            groups = [g for g in groups if g not in joined] + [merged]
+        order = list(self.slots())
+        return {"+".join(sorted(g, key=order.index)): tuple(sorted(g, key=order.index)) for g in groups}
 
     def coupled(self, gemm: str) -> frozenset[str]:
         """GEMMs whose overlap goes on/off together with ``gemm`` (they share one module flag)."""
@@ -182,14 +214,20 @@ def build_topology(modules: list[OverlapModule]) -> Topology:
     kinds: dict[str, str] = {}
     counts: dict[str, int] = {}
     active: set[str] = set()
+    own: dict[str, set[str]] = {}
     for m in modules:
-        if kinds.setdefault(m.name, m.kind) != m.kind:
-            raise ValueError(f"modules named {m.name!r} are of different kinds ({kinds[m.name]} and {m.kind})")
-        counts[m.name] = counts.get(m.name, 0) + 1
+        p = m.slot_prefix
+        if kinds.setdefault(p, m.kind) != m.kind:
+            raise ValueError(f"modules named {p!r} are of different kinds ({kinds[p]} and {m.kind})")
+        counts[p] = counts.get(p, 0) + 1
         active |= m.active_gemms()
-    order = {"qkv": 0, "proj": 1, "fc1": 2, "mlp": 2, "fc2": 3}
+        own.setdefault(p, set()).update(m.active_gemms())
+    order = {"qkv": 0, "proj": 1, "fc1": 2, "mlp": 2, "fc2": 3, "shared_fc1": 4, "shared_fc2": 5}
     ordered = tuple(sorted(kinds.items(), key=lambda kv: order.get(kv[0], 9)))
-    return Topology(kinds=ordered, active=frozenset(g for g in GEMM_NAMES if g in active), layers=max(counts.values()))
+    ordered_active = frozenset(g for g in GEMM_NAMES if g in active)
+    # listed only where a prefix overlaps less than its modules' GEMMs would at full flags (shared experts)
+    differ = tuple((p, frozenset(g)) for p, g in sorted(own.items()) if p.startswith(SHARED_PREFIX))
+    return Topology(kinds=ordered, active=ordered_active, layers=max(counts.values()), prefix_active=differ)
 
 
 class TopologyMismatch(RuntimeError):

@@ -112,7 +112,13 @@ def _write_outputs(tuned: Tuned, key: Any, cache: Any, wall_s: float, log: Calla
     try:
         write_report(
             out.with_suffix(".report.json"),
-            {**report, "tuning_key": asdict(key), "recipe": tuned.recipe.to_dict(), "notes": tuned.notes},
+            {
+                **report,
+                "tuning_key": asdict(key),
+                "coverage": tuned.coverage,
+                "recipe": tuned.recipe.to_dict(),
+                "notes": tuned.notes,
+            },
         )
         if res is not None:
             cache.put(

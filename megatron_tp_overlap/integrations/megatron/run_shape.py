@@ -45,6 +45,26 @@ def _recompute(c: Any) -> Optional[str]:
     return None
 
 
+def _moe(c: Any, experts: Optional[int]) -> str:
+    """An MoE model's layout for the reuse key (Megatron's flags and TransformerConfig use the same names): what
+    changes the overlapped GEMMs (shared-expert FFN, which layers are dense) or the step around them (experts, top-k,
+    expert FFN, expert parallelism). "" for a dense model."""
+    if not experts:
+        return ""
+    parts = {
+        "experts": experts,
+        "topk": getattr(c, "moe_router_topk", None),
+        "ffn": getattr(c, "moe_ffn_hidden_size", None),
+        "shared": getattr(c, "moe_shared_expert_intermediate_size", None),
+        "shared_overlap": bool(getattr(c, "moe_shared_expert_overlap", False)),
+        "freq": getattr(c, "moe_layer_freq", None),
+        "ep": getattr(c, "expert_model_parallel_size", None),
+        "etp": getattr(c, "expert_tensor_parallel_size", None),
+        "dispatcher": getattr(c, "moe_token_dispatcher_type", None),
+    }
+    return ",".join(f"{k}={v}" for k, v in parts.items() if v is not None)
+
+
 def _cuda_graphs(c: Any) -> Optional[str]:
     impl = getattr(c, "cuda_graph_impl", "none") or "none"
     if impl != "none":
@@ -80,6 +100,7 @@ class RunShape:
     decoder_seq_length: Optional[int] = None
     recompute: Optional[str] = None  # what activation recompute re-runs, when it re-runs an overlapped GEMM
     moe_experts: Optional[int] = None
+    moe: str = ""  # _moe: the MoE layout, part of the reuse key
     cuda_graphs: Optional[str] = None  # Megatron's CUDA graph mode, when on
     precision: str = ""  # FP8 format/recipe, FP4, bf16 edge layer counts (_precision); part of the reuse key
 
@@ -111,6 +132,7 @@ class RunShape:
             decoder_seq_length=args.decoder_seq_length if getattr(args, "decoder_tp_comm_overlap", False) else None,
             recompute=_recompute(args),
             moe_experts=getattr(args, "num_experts", None),
+            moe=_moe(args, getattr(args, "num_experts", None)),
             cuda_graphs=_cuda_graphs(args),
             precision=_precision(args),
         )
@@ -140,6 +162,7 @@ class RunShape:
             bf16_edge_layers=edge,
             recompute=_recompute(m),
             moe_experts=getattr(m, "num_moe_experts", None),
+            moe=_moe(m, getattr(m, "num_moe_experts", None)),
             cuda_graphs=_cuda_graphs(m),
             precision=_precision(m),
         )
@@ -177,11 +200,6 @@ class RunShape:
                 f"activation recompute ({self.recompute}) re-runs the forward of overlapped GEMMs, which the "
                 "per-module timing would count twice: tune without it (the tuned YAML applies to the run with it)"
             )
-        if self.moe_experts:
-            p.append(
-                f"mixture-of-experts (--num-experts {self.moe_experts}) is not supported yet: its expert GEMMs "
-                "are not userbuffers GEMMs and its layers differ from the dense ones"
-            )
         if self.cuda_graphs:
             p.append(
                 f"CUDA graphs ({self.cuda_graphs}) capture the userbuffers of one config; switching configs "
@@ -214,6 +232,7 @@ class RunShape:
             rs_dgrad=self.rs_dgrad,
             reference=reference,
             space=space,
+            moe=self.moe,
         )
 
     def init_args(self) -> UbInitArgs:

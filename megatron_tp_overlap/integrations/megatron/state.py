@@ -1,14 +1,21 @@
 """The training state around tuning: a snapshot of what trial steps may change (RNG states incl. Megatron's TP
-tracker, TE FP8 metadata) restored afterwards, and a bitwise check that tuning left parameters, gradients,
-optimizer state, FP8 metadata, RNG and data position as it found them."""
+tracker, TE FP8 metadata, every module buffer, Megatron's MoE metrics tracker) restored afterwards, and a bitwise
+check that tuning left parameters, gradients, optimizer state, FP8 metadata, buffers, MoE metrics, RNG and data
+position as it found them.
+
+Module buffers hold what an MoE router accumulates in a forward/backward outside parameters and optimizer: its
+``local_tokens_per_expert`` and ``expert_bias`` (aux-loss-free balancing, moved by ``finalize_model_grads`` where the
+framework set that hook before tuning, as Megatron-Bridge does), ``global_tokens_per_expert`` / ``ga_steps`` (global
+aux loss), the quantile-balancing accumulators. They are put back after every trial step, so that no trial routes
+tokens differently from another, and the run's first iteration sees them as a run without tuning would."""
 
 from __future__ import annotations
 
 import copy
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 from megatron_tp_overlap.integrations.megatron.replay import ReplayIterator
 
@@ -24,6 +31,8 @@ class StateSnapshot:
 
     tracker: Any = None  # the RNG tracker object (Megatron's CudaRNGStatesTracker)
     models: Sequence[Any] = ()
+    buffers: list[tuple[Any, Any]] = field(default_factory=list)  # (live buffer, its value before tuning)
+    moe_metrics: Optional[dict[str, Any]] = None  # Megatron's MoE metrics tracker: name -> values before tuning
 
     @staticmethod
     def _megatron_tracker() -> Any:
@@ -74,12 +83,21 @@ class StateSnapshot:
             fp8,
             tracker,
             list(models),
+            [(b, b.detach().clone()) for b in module_buffers(models)],
+            _moe_metrics_values(),
         )
+
+    def restore_buffers(self) -> None:
+        """Every module buffer and the MoE metrics as they were (after each trial step: cheap, a few small copies)."""
+        for live, saved in self.buffers:
+            live.copy_(saved)
+        restore_moe_metrics(self.moe_metrics)
 
     def restore(self) -> None:
         import numpy as np
         import torch
 
+        self.restore_buffers()
         random.setstate(self.python)
         np.random.set_state(self.numpy)
         torch.set_rng_state(self.torch_cpu)
@@ -101,6 +119,48 @@ class StateSnapshot:
                 for k in ("scaling_fwd", "scaling_bwd"):
                     if k in meta and (id(mod), k) not in saved_keys:
                         reset_fp8_state(meta[k])
+
+
+def module_buffers(models: Sequence[Any]) -> list[Any]:
+    """Every registered buffer of the model chunks, once each (a buffer shared by two modules counts once)."""
+    seen, out = set(), []
+    for m in models:
+        for b in m.buffers():
+            if b is not None and id(b) not in seen:
+                seen.add(id(b))
+                out.append(b)
+    return out
+
+
+def moe_metrics_tracker() -> Any:
+    """Megatron's MoE metrics tracker (megatron-core >= 0.16: router aux losses and load-balancing metrics, recorded
+    in every forward and reported and cleared by the training loop's log); None without Megatron."""
+    try:
+        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+    except ImportError:
+        return None
+    return get_moe_metrics_tracker()
+
+
+def _moe_metrics_values() -> Optional[dict[str, Any]]:
+    tracker = moe_metrics_tracker()
+    if tracker is None:
+        return None
+    return {name: entry.values.detach().clone() for name, entry in tracker.metrics.items()}
+
+
+def restore_moe_metrics(saved: Optional[dict[str, Any]]) -> None:
+    """The tracker's metrics as in ``saved``: values copied back, entries that trial steps created dropped (the
+    first iteration creates them again, as in a run without tuning)."""
+    tracker = moe_metrics_tracker()
+    if tracker is None or saved is None:
+        return
+    metrics = tracker.metrics
+    for name in [n for n in metrics if n not in saved]:
+        del metrics[name]
+    for name, values in saved.items():
+        if name in metrics:
+            metrics[name].values.copy_(values)
 
 
 def reset_fp8_state(state: Any) -> None:
@@ -187,6 +247,9 @@ class StateCheck:
                 g = g if g is not None else p.grad
                 if g is not None:
                     out[f"grad {i}.{n}"] = g.detach().clone()
+            for n, b in chunk.named_buffers():
+                if b is not None:
+                    out[f"buffer {i}.{n}"] = b.detach().clone()
             for n, mod in chunk.named_modules():
                 meta = getattr(mod, "fp8_meta", None)
                 if not isinstance(meta, dict):
@@ -198,6 +261,8 @@ class StateCheck:
                             out[f"fp8 {i}.{n}.{k}.{a}"] = t.detach().clone()
         for j, t in enumerate(_optimizer_tensors(self.optimizer)):
             out[f"optimizer state {j}"] = t.detach().clone()
+        for name, values in (_moe_metrics_values() or {}).items():
+            out[f"moe-metric {name}"] = values
         return out
 
     @staticmethod
@@ -214,6 +279,7 @@ class StateCheck:
         counts: dict[str, int] = {}
         for k in self.before:
             kind = k.split(" ")[0] if not k.startswith("optimizer") else "optimizer state"
+            kind = "MoE metric" if kind == "moe-metric" else kind
             counts[kind] = counts.get(kind, 0) + 1
         counts["read-ahead batches"] = sum(len(d) for d in self.data)
         return counts

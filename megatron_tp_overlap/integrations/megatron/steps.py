@@ -10,14 +10,23 @@ from megatron_tp_overlap.integrations.megatron.replay import ReadAhead
 from megatron_tp_overlap.integrations.megatron.run_shape import RunShape
 
 
-def trial_microbatches(run_microbatches: int, pipeline_size: int, model_chunks: int, asked: int = 0) -> int:
+def trial_microbatches(
+    run_microbatches: int, pipeline_size: int, model_chunks: int, asked: int = 0, group_size: int = 0
+) -> int:
     """Micro-batches per trial step: ``asked`` (at most the run's), else the fewest Megatron's schedule takes: 1
-    without pipeline parallelism, a full pipeline with it, and the run's own count with an interleaved schedule (its
-    micro-batch groups must fit)."""
+    without pipeline parallelism, a full pipeline with it. With an interleaved (virtual) pipeline, one group of
+    ``group_size`` micro-batches (Megatron's ``microbatch_group_size_per_vp_stage``, default the pipeline size): its
+    schedule takes from one group up (megatron/core/pipeline_parallel/schedules.py), so a trial step costs a bounded
+    number of micro-batches instead of the run's whole iteration. An ``asked`` count under an interleaved schedule
+    is rounded to what the schedule takes (a whole number of groups, or a remainder of at least the pipeline)."""
+    if model_chunks > 1:
+        group = max(group_size or pipeline_size, pipeline_size, 1)
+        n = min(max(asked, group) if asked > 0 else group, run_microbatches)
+        if 0 < n % group < pipeline_size:
+            n -= n % group
+        return max(n, min(group, run_microbatches))
     if asked > 0:
         return min(asked, run_microbatches)
-    if model_chunks > 1:
-        return run_microbatches
     return min(run_microbatches, max(1, pipeline_size))
 
 
@@ -45,8 +54,15 @@ class MegatronSteps:
         from megatron_tp_overlap.integrations.megatron.state import StateSnapshot
 
         self.model, self.forward_step_func, self.optimizer, self.run_shape = model, forward_step_func, optimizer, run
+        from megatron.core.utils import get_model_config
+
+        self.run_microbatches = get_num_microbatches()
         self.n_mb = trial_microbatches(
-            get_num_microbatches(), parallel_state.get_pipeline_model_parallel_world_size(), len(model), microbatches
+            self.run_microbatches,
+            parallel_state.get_pipeline_model_parallel_world_size(),
+            len(model),
+            microbatches,
+            getattr(get_model_config(model[0]), "microbatch_group_size_per_vp_stage", None) or 0,
         )
         self.data = ReadAhead(data_iterator, self.n_mb)
         self.fb = get_forward_backward_func()
@@ -84,6 +100,7 @@ class MegatronSteps:
     def step(self) -> None:
         self._run()
         self.zero()
+        self.snapshot.restore_buffers()  # MoE routers' counters and expert bias: every trial routes alike
 
     def fingerprint(self) -> Any:
         import torch

@@ -55,6 +55,7 @@ class Tuned:
     notes: list[str] = field(default_factory=list)
     verification: Any = None  # engine.verify.InRunVerification the training loop drives; None: nothing to verify
     active: frozenset[str] = frozenset()  # the GEMMs the run overlaps as its flags built it (for every recipe)
+    coverage: dict = field(default_factory=dict)  # engine.coverage.Coverage.to_dict(): what runs with userbuffers
     on_recipe: list[Callable[[Recipe], Any]] = field(default_factory=list)  # told when the recipe changes (every rank)
 
 
@@ -95,8 +96,11 @@ def tune(
 
     from megatron_tp_overlap.engine.cache import TunedConfigCache, config_digest
     from megatron_tp_overlap.engine.tuner import rank0_print
+    from megatron_tp_overlap.integrations.megatron.coverage import model_coverage
 
     log = log or rank0_print
+    covered = model_coverage(model, run.tp_comm_overlap)
+    log(f"{TAG} {covered.line()}")
     # as built, before any switch: a live config with a kind switched off also clears the modules' flags, and a
     # recipe read from them then left out the flag that switches it off (2 H200s: "bulk dgrad off" won, and the
     # recipe's fresh run overlapped qkv/fc1 dgrad again)
@@ -127,6 +131,7 @@ def tune(
                 _recipe(reused, active, output, run.tp),
                 reused=True,
                 active=active,
+                coverage=covered.to_dict(),
             )
             tuned.verification = _verification(tuned, reference, switcher, options, key, cache, log, remaining_iters)
             if tuned.verification is None:
@@ -144,6 +149,7 @@ def tune(
         Recipe(str(output), [], [], {}),
         result,
         active=active,
+        coverage=covered.to_dict(),
     )
     if result is None:
         tuned.notes.append(f"tuning failed ({'; '.join(failure) or 'no result'}): training with the starting config")
