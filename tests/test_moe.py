@@ -187,3 +187,17 @@ def test_an_moe_run_tunes_and_its_layout_keys_the_cache():
     assert dense.moe == "" and dense.digest() != key.digest()
     other = RunShape.from_args(_args(**{**moe, "moe_shared_expert_intermediate_size": 7168}))
     assert other.key("H100", "2.20", "ref", "space").digest() != key.digest()
+
+
+def test_the_state_study_names_the_first_iteration_that_differs():
+    """benchmarks/studies/trials_leave_state.py compares the runs' losses and MoE metrics bitwise, with a control."""
+    from benchmark_module import load_benchmark
+
+    study = load_benchmark("trials_leave_state")
+    rows = [{"iteration": i, "lm loss": repr(1.0 / i), "moe": {"z": ["0.5"]}} for i in range(1, 21)]
+    moved = [dict(r, moe={"z": ["0.25"]}) if r["iteration"] == 1 else r for r in rows]
+    runs = {"no trials": {"iterations": rows}, "no trials again": {"iterations": list(rows)}}
+    same = study.compare({**runs, "trials": {"iterations": rows, "state_check_mismatches": []}}, 20)
+    assert same["trials vs no trials"] is None and same["control (no trials twice)"] is None
+    assert study.compare({**runs, "trials": {"iterations": moved}}, 20)["trials vs no trials"] == 1
+    assert study.compare({**runs, "trials": {"iterations": rows[:5]}}, 20)["trials vs no trials"] == -1

@@ -46,6 +46,46 @@ def test_put_in_delays_differ_as_the_world_costs():
         assert all(best <= sum(real.slot_excess_ms(c).values()) + 1e-9 for c in configs)
 
 
+def test_an_moe_models_shared_experts_get_their_own_slots_and_the_delays_still_sum_to_the_world():
+    """In an MoE model (a dense layer, MoE layers with a shared expert) the routed experts are left out, the shared
+    experts' fc1/fc2 run the fc1/fc2 configs in slots of their own with only their AG/RS, and a GEMM's put-in excess
+    is spread over the slots it runs in: the step's total is still the world's."""
+    import torch
+
+    from megatron_tp_overlap.engine.topology import build_topology
+
+    class Chunk(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            names = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+            layer = (
+                lambda *mlp: torch.nn.ModuleDict(  # noqa: E731
+                    {
+                        "self_attention": torch.nn.ModuleDict({n: torch.nn.Linear(2, 2) for n in names[:2]}),
+                        "mlp": torch.nn.ModuleDict(dict(mlp)),
+                    }
+                )
+            )
+            two = lambda: torch.nn.ModuleDict({n: torch.nn.Linear(2, 2) for n in names[2:]})  # noqa: E731
+            self.layers = torch.nn.ModuleList(
+                [layer(*two().items())] + [layer(("experts", two()), ("shared_experts", two())) for _ in range(3)]
+            )
+
+    modules = sr.overlap_modules([Chunk()])
+    assert sum(".experts." in m.path and "shared" not in m.path for m in modules) == 0
+    topo = build_topology(modules)
+    assert topo.active == sim.TOPO.active
+    assert topo.slots()["shared_fc1.fwd"] == ("fc1_fprop",) and topo.slots()["shared_fc1.bwd"] == ()
+    assert topo.slots()["fc1.bwd"] == ("fc1_dgrad", "fc1_wgrad")
+    for seed in range(10):
+        world = sim.make_world(SPACE, 0.03, random.Random(seed))
+        real = sr.RealSteps(None, modules, topo, None, 0.0, scale=2.0)
+        real.start(world)
+        for c in (all_off(sim.TOPO, REF), sim.best_config(world, SPACE, REF)):
+            put_in = sum(real.slot_excess_ms(c).values()) - sum(real.slot_excess_ms(REF).values())
+            assert abs(put_in - 2.0 * (world.step_ms(c) - world.step_ms(REF))) < 1e-9
+
+
 class SimulatedReal:
     """RealSteps' interface over the simulator's steps."""
 

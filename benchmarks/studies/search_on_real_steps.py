@@ -47,35 +47,50 @@ MEGATRON_NAMES = {"linear_qkv": "qkv", "linear_proj": "proj", "linear_fc1": "fc1
 
 def overlap_modules(model) -> list:
     """The TE linears of a TP=1 Megatron GPT as the tuner sees them at TP>1 (no userbuffers at TP=1, so named by
-    their Megatron path; every GEMM counted as overlapped: 12 slots' worth of GEMMs, as in the simulator)."""
+    their Megatron path; every GEMM counted as overlapped: 12 slots' worth of GEMMs, as in the simulator). In an MoE
+    model the routed experts are left out (they never overlap) and a shared expert's fc1/fc2 have the flags
+    megatron-core gives them at TP>1 (the AG/RS only): slots of their own (``shared_fc1.fwd``, ...)."""
     from megatron_tp_overlap.engine.topology import COLUMN_FLAGS, ROW_FLAGS, OverlapModule
 
     flags = {  # every flag on, but a column module's dgrad as bulk (a reduce-scatter dgrad would drop its wgrad)
         "column": {f: f != "ub_overlap_rs_dgrad" for f in COLUMN_FLAGS},
         "row": dict.fromkeys(ROW_FLAGS, True),
+        "shared column": {f: f == "ub_overlap_ag_fprop" for f in COLUMN_FLAGS},
     }
     found = []
     for i, chunk in enumerate(model):
         for path, m in chunk.named_modules():
             name = MEGATRON_NAMES.get(path.rsplit(".", 1)[-1])
-            if name is not None:
-                kind = "row" if name in ("proj", "fc2") else "column"
-                found.append(OverlapModule(m, kind, name, f"{i}.{path}", flags[kind]))
+            shared = "shared_experts" in path
+            if name is None or (".experts." in path and not shared):  # routed experts: no userbuffers
+                continue
+            kind = "row" if name in ("proj", "fc2") else "column"
+            found.append(
+                OverlapModule(
+                    m, kind, name, f"{i}.{path}", flags["shared column" if shared and kind == "column" else kind]
+                )
+            )
     return found
 
 
 class Delays:
     """A ``torch.cuda._sleep`` after each module's forward and after its backward, inside the ``SlotTimer``'s events
-    (these hooks are registered first, the timer's per trial, and hooks run in registration order)."""
+    (these hooks are registered first, the timer's per trial, and hooks run in registration order). How often each
+    slot runs in a step is counted on real steps (:meth:`count`): a recomputed forward (activation recompute) runs
+    twice, and an MoE model's dense fc1/fc2 only in its dense layers."""
 
     def __init__(self, modules: list, calls_per_step: int, ms_per_cycle: float):
         from megatron_tp_overlap.engine.measure import _first_tensor, module_node
 
         self.cycles: dict[str, int] = {}  # slot ("qkv.fwd") -> cycles per call
         self.calls, self.per_cycle = calls_per_step, ms_per_cycle
+        self.slot_calls: dict[str, int] = {}  # slot -> calls per step, once counted
+        self.counting: dict[str, int] | None = None
         import torch
 
         def sleep(slot: str) -> None:
+            if self.counting is not None:
+                self.counting[slot] = self.counting.get(slot, 0) + 1
             if self.cycles.get(slot, 0) > 0:
                 torch.cuda._sleep(self.cycles[slot])
 
@@ -90,11 +105,18 @@ class Delays:
             return hook
 
         for m in modules:
-            m.module.register_forward_hook(fwd(m.name))
+            m.module.register_forward_hook(fwd(m.slot_prefix))
+
+    def count(self, step) -> dict[str, int]:
+        """Calls per slot in one real ``step``."""
+        self.counting = {}
+        step()
+        self.slot_calls, self.counting = self.counting, None
+        return self.slot_calls
 
     def set(self, slot_ms: dict[str, float]) -> None:
-        """Per slot, the extra GPU ms of one step (spread over the slot's calls: layers x micro-batches)."""
-        self.cycles = {s: int(ms / self.calls / self.per_cycle) for s, ms in slot_ms.items()}
+        """Per slot, the extra GPU ms of one step (spread over the slot's calls in a step)."""
+        self.cycles = {s: int(ms / self.slot_calls.get(s, self.calls) / self.per_cycle) for s, ms in slot_ms.items()}
 
 
 class RealSteps:
@@ -109,9 +131,12 @@ class RealSteps:
         self.world, self.live, self.t0, self.switches = world, None, time.perf_counter(), 0
 
     def slot_excess_ms(self, config) -> dict[str, float]:
+        """A GEMM's excess spread over the slots it runs in (a shared expert runs fc1/fc2's configs): the step's
+        put-in total is the world's."""
+        slots = self.topo.slots()
+        share = {g: sum(g in gemms for gemms in slots.values()) for gemms in slots.values() for g in gemms}
         return {
-            s: self.scale * sum(self.world.excess_ms(g, config) for g in gemms)
-            for s, gemms in self.topo.slots().items()
+            s: self.scale * sum(self.world.excess_ms(g, config) / share[g] for g in gemms) for s, gemms in slots.items()
         }
 
     def __call__(self, config, n: int, warmup: int):
@@ -293,15 +318,18 @@ def inner(
         )
         modules = overlap_modules(model)
         topo = build_topology(modules)
-        assert topo.slots() == sim.TOPO.slots(), (topo, sim.TOPO)
-        topo = dataclasses.replace(sim.TOPO, layers=topo.layers)
+        assert topo.active == sim.TOPO.active, (topo, sim.TOPO)  # the world's 12 GEMMs all run somewhere
+        if topo.slots() == sim.TOPO.slots():
+            topo = dataclasses.replace(sim.TOPO, layers=topo.layers)
         delays = Delays(modules, topo.layers * steps.n_mb, sleep_ms_per_cycle())
         for _ in range(10):
             steps.step()
+        calls = delays.count(steps.step)
         step_ms = statistics.median(gpu_ms(steps.step) for _ in range(10))
         real = RealSteps(steps, modules, topo, delays, idle_s, step_ms / sim.STEP_MS)
         result = {"megatron_args": argv[1:], "step_ms": step_ms, "ms_per_cycle": delays.per_cycle, "idle_s": idle_s}
         result["trial_microbatches"] = steps.n_mb
+        result["slots"], result["slot_calls_per_step"] = topo.slots(), calls
         result["preset"], result["variants"] = preset, list(variants)
         result["runs"] = []
         result["probe"] = probe_delays(real)  # the put-in delay, measured on whole steps
@@ -428,6 +456,12 @@ def main() -> None:
         help="search each seed once per variant of the search options, e.g. max_steps=400 max_steps=0 (default: the "
         "defaults, once)",
     )
+    p.add_argument(
+        "--extra",
+        default="",
+        help="more Megatron-LM arguments, one string (an MoE model, activation recompute, CUDA graphs), e.g. "
+        "--extra='--num-experts 8 --moe-router-topk 2 --moe-grouped-gemm'",
+    )
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     add_trial_microbatches(p)
     p.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
@@ -450,7 +484,9 @@ def main() -> None:
     from megatron_autotune import FP8_ARGS, one_gpu_args, parse_model_shape
 
     shape = parse_model_shape(a.shape)
-    args = one_gpu_args(a.seq, 10, **shape) + (FP8_ARGS if a.fp8 else [])
+    import shlex
+
+    args = one_gpu_args(a.seq, 10, **shape) + (FP8_ARGS if a.fp8 else []) + shlex.split(a.extra)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", __file__, "--inner", "--out", str(out)]
     cmd += ["--trial-microbatches", str(a.trial_microbatches)]
     cmd += ["--runs", str(a.runs), "--minutes", str(a.minutes), "--idle-s", str(a.idle_s)]
