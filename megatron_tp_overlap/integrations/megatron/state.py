@@ -123,9 +123,11 @@ class StateSnapshot:
 
 def module_buffers(models: Sequence[Any]) -> list[Any]:
     """Every registered buffer of the model chunks, once each (a buffer shared by two modules counts once)."""
+    import torch
+
     seen, out = set(), []
     for m in models:
-        for b in m.buffers():
+        for b in torch.nn.Module.buffers(m):  # megatron-core's DDP wrapper has a ``buffers`` list of its own
             if b is not None and id(b) not in seen:
                 seen.add(id(b))
                 out.append(b)
@@ -247,7 +249,7 @@ class StateCheck:
                 g = g if g is not None else p.grad
                 if g is not None:
                     out[f"grad {i}.{n}"] = g.detach().clone()
-            for n, b in chunk.named_buffers():
+            for n, b in torch.nn.Module.named_buffers(chunk):
                 if b is not None:
                     out[f"buffer {i}.{n}"] = b.detach().clone()
             for n, mod in chunk.named_modules():
