@@ -175,6 +175,6 @@ def no_local_capture(model: Any = (), cg: Any = None) -> Iterator[None]:
             record._enable_saved_tensors_observer()
 
 
-def trial_guard(run: Any, model: Any) -> contextlib.AbstractContextManager:
+def trial_guard(run: Any, model: Any, cg: Any = None) -> contextlib.AbstractContextManager:
     """The context trial steps run in: :func:`no_local_capture` under ``local`` graphs, else nothing."""
-    return no_local_capture(model) if getattr(run, "cuda_graphs", None) == "local" else contextlib.nullcontext()
+    return no_local_capture(model, cg) if getattr(run, "cuda_graphs", None) == "local" else contextlib.nullcontext()
