@@ -8,11 +8,11 @@ import argparse
 import types
 from enum import Enum
 
+import fakes
 import pytest
 import torch
 import torch.utils.checkpoint as checkpoint
 
-import fakes
 from megatron_tp_overlap.engine.measure import SlotTimer
 from megatron_tp_overlap.engine.topology import find_overlap_modules
 from megatron_tp_overlap.engine.verify import span
@@ -231,7 +231,7 @@ def test_recompute_counts_every_forward_where_it_runs_and_each_backward_once(fak
 
     plain = timed(lambda b, x: b(x))
     for reentrant in (True, False):
-        t = timed(lambda b, x: checkpoint.checkpoint(b, x, use_reentrant=reentrant))
+        t = timed(lambda b, x, r=reentrant: checkpoint.checkpoint(b, x, use_reentrant=r))
         for name in ("qkv", "proj", "fc1", "fc2"):
             first = off if reentrant and name in ("qkv", "fc1") else cost[f"{name}_fprop"]
             assert t[f"{name}.fwd"] == pytest.approx(first + cost[f"{name}_fprop"]), (reentrant, name)

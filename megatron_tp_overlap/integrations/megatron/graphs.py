@@ -113,7 +113,9 @@ class Capture:
                 f"{head}, after which the config may not change: in-run verification skipped (its shortest takes "
                 f"{needed} iterations, {self.eager_iters} run before the capture)"
             )
-        return f"{head}: in-run verification shortened to {fitted} of {verify_iters} measured iterations to end before"
+        return (
+            f"{head}: in-run verification shortened to {fitted} of {verify_iters} measured iterations, to end before it"
+        )
 
 
 def refusal(mode: Optional[str], recompute_flag: Optional[str]) -> Optional[str]:
