@@ -128,9 +128,9 @@ def _base_cost(c: GemmOverlapConfig) -> float:
 class _Sleep(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, fwd_ms, bwd_ms):
+        CLOCK.advance(fwd_ms)  # then saves, as TE does after its GEMMs (a non-reentrant recompute stops there)
         ctx.save_for_backward(x, w)
         ctx.bwd_ms = bwd_ms
-        CLOCK.advance(fwd_ms)
         return x @ w
 
     @staticmethod
@@ -172,8 +172,8 @@ class LayerNormLinear(_FakeTEModule):
         self.gemms = {"fwd": (f"{n}_fprop",), "bwd": (f"{n}_dgrad", f"{n}_wgrad")}
 
     def enabled(self, g: str) -> bool:
-        if g.endswith("fprop"):
-            return self.ub_overlap_ag_fprop
+        if g.endswith("fprop"):  # TE's LayerNormLinear: `ub_overlap_ag_fprop and is_grad_enabled and ...`
+            return self.ub_overlap_ag_fprop and torch.is_grad_enabled()
         if g.endswith("dgrad"):
             return self.ub_bulk_dgrad or self.ub_overlap_rs_dgrad
         return self.ub_bulk_wgrad

@@ -459,16 +459,12 @@ CATALOG: list[tuple[str, Callable[[], str], tuple[str, ...]]] = [
     ),
     ("megatron: -m megatron_tp_overlap.run without Megatron", lambda: run_without_megatron(), ("needs Megatron-LM",)),
     (
-        "megatron: full recompute",
-        lambda: megatron_error(recompute_granularity="full"),
-        ("--recompute-granularity full",),
+        "megatron: full recompute under per-layer CUDA graphs (Megatron's own refusal, quoted)",
+        lambda: megatron_error(
+            cuda_graph_impl="local", recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
+        ),
+        ("--cuda-graph-impl local with --recompute-granularity full", "only supported with full iteration CUDA graph"),
     ),
-    (
-        "megatron: selective recompute of the MLP",
-        lambda: megatron_error(recompute_granularity="selective", recompute_modules=["core_attn", "mlp"]),
-        ("--recompute-modules core_attn mlp", "count twice"),
-    ),
-    ("megatron: CUDA graphs", lambda: megatron_error(cuda_graph_impl="local"), ("--cuda-graph-impl local",)),
     (
         "cli sweep: malformed local config.json",
         lambda: cli_error("sweep", "--model", str(Path(yaml_file("{bad", "config.json")).parent), "--out", "{tmp}"),

@@ -184,7 +184,7 @@ def test_the_hook_tunes_then_hands_bridge_the_same_iterator_and_the_tuned_config
     seen = {}
 
     def fake_tune(model, fwd, optimizer, it, run, options, reference, output, **kw):
-        seen.update(fwd=fwd, run=run, options=options, reference=reference, output=output)
+        seen.update(fwd=fwd, run=run, options=options, reference=reference, output=output, capture=kw.get("capture"))
         ub = parse_ub_cfgs({"fc2_fprop": {"method": "ring_exchange"}})
         return SimpleNamespace(config=SimpleNamespace(ub=ub), data_iterator=["replayed", it])
 
@@ -197,11 +197,19 @@ def test_the_hook_tunes_then_hands_bridge_the_same_iterator_and_the_tuned_config
     assert out == "trained" and bridge.calls["train"] == ["replayed", "it"]
     assert seen["fwd"] == ("wrapped", "fwd") and seen["output"] == tmp_path / "tp_comm_overlap_tuned.yaml"
     assert seen["options"].steps == 77 and seen["run"].tp == 2 and seen["reference"] == UbConfig()
+    assert seen["capture"] is None  # no CUDA graphs
     assert state.cfg.model.tp_comm_overlap_cfg == str(tmp_path / "tp_comm_overlap_tuned.yaml")
     assert (
         type(c.tp_comm_overlap_cfg).__name__ == "TransformerLayerTPOverlapCfg"
         and c.tp_comm_overlap_cfg.fc2_fprop.method == "ring_exchange"
     )
+    # CUDA graphs: Bridge's loop captures TE graphs after cuda_graph_warmup_steps; the verification ends before
+    graphed = SimpleNamespace(cfg=container(tmp_path, bridge.module.AutotuneCommOverlapConfig(tp_comm_overlap=True)))
+    graphed.cfg.model.cuda_graph_impl, graphed.cfg.model.cuda_graph_warmup_steps = "transformer_engine", 50
+    bridge.pretrain.train("fwd", ["model"], "opt", "sched", "it", None, graphed, "ckpt", "pg", callback_manager=None)
+    assert (seen["run"].cuda_graphs, seen["capture"].mode, seen["capture"].eager_iters) == (
+        "transformer_engine",
+    ) * 2 + (50,)
     # a run without the autotune config is passed through untouched
     bridge.calls.clear()
     plain = SimpleNamespace(cfg=container(tmp_path, CommOverlapConfig(tp_comm_overlap=True)))

@@ -661,3 +661,19 @@ def test_a_failed_tuning_replaces_an_earlier_report_with_one_that_says_so(tmp_pa
     assert report["decision"]["chosen"] == "reference" and "every trial failed: timeout" in report["decision"]["reason"]
     assert report["meta"]["wall_s"] == 12.5 and report["recipe"]["add_flags"] and puts == []
     assert read_report(out, report).chosen == "reference"  # the tools read it like any report
+
+
+def test_recompute_and_every_cuda_graph_mode_are_tuned_not_refused(tmp_path):
+    out = str(tmp_path / "x.yaml")
+    for kw in (
+        dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+        dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=2),
+        dict(recompute_granularity="selective", recompute_modules=["core_attn", "mlp"]),
+        dict(cuda_graph_impl="local"),
+        dict(cuda_graph_impl="transformer_engine", recompute_granularity="selective", recompute_modules=["mlp"]),
+        dict(cuda_graph_impl="full_iteration", recompute_granularity="full", recompute_method="uniform"),
+    ):
+        assert check_arguments(ns(tp_comm_overlap_autotune_output=out, **kw)) == [], kw
+    full = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    (p,) = check_arguments(ns(tp_comm_overlap_autotune_output=out, cuda_graph_impl="transformer_engine", **full))
+    assert 'Megatron-LM refuses it itself (TransformerConfig: "full recompute is only supported' in p

@@ -202,3 +202,14 @@ def test_the_state_study_names_the_first_iteration_that_differs():
     assert same["trials vs no trials"] is None and same["control (no trials twice)"] is None
     assert study.compare({**runs, "trials": {"iterations": moved}}, 20)["trials vs no trials"] == 1
     assert study.compare({**runs, "trials": {"iterations": rows[:5]}}, 20)["trials vs no trials"] == -1
+
+
+def test_the_coverage_line_names_the_no_grad_forward_of_activation_recompute():
+    """Under full recompute the first forward runs under no_grad, where TE's LayerNormLinear does not overlap its
+    all-gather (TE issue 2902): the line says which forwards run once without overlap."""
+    from megatron_tp_overlap.integrations.megatron.recompute import Recompute
+
+    model = fakes.fake_moe_model(dense=1, moe=1)
+    line = model_coverage([model], recompute=Recompute("full", "uniform", 1)).line()
+    assert "fc1_fprop, qkv_fprop: not overlapped in the no_grad first forward" in line
+    assert "no_grad" not in model_coverage([model], recompute=Recompute()).line()

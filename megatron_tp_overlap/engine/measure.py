@@ -6,6 +6,13 @@ behind its output) and registers a pre-hook and a post-hook on it, so the whole 
 module (dgrad, wgrad and their overlapped communication) sits between two events. No tensor is
 wrapped (no views, so in-place ops after the module still work) and nothing syncs the host inside
 the step: events are read after the step.
+
+Activation recompute: every forward of a module counts, the recomputed one too (it is part of the step as
+configured), and each backward once. A reentrant checkpoint (Megatron's, TE's) runs its first forward under
+no_grad (no node: no backward timed for it) and re-runs it in the checkpoint's own backward, outside any module's
+backward. A non-reentrant one re-runs the forward inside the backward of the module that unpacks a saved tensor,
+and may stop it early by raising: the forward hook is always called, and a module's backward excludes the forwards
+that ran inside it.
 """
 
 from __future__ import annotations
@@ -78,9 +85,10 @@ class SlotTimer:
         self.modules = list(modules)
         self.event = event_factory
         self.handles: list[Any] = []
-        self.steps: list[tuple[Any, Any, dict[str, list[tuple[Any, Any]]]]] = []
-        self._cur: dict[str, list[tuple[Any, Any]]] | None = None
+        self.steps: list[tuple[Any, Any, dict[str, list[tuple[Any, ...]]]]] = []
+        self._cur: dict[str, list[tuple[Any, ...]]] | None = None
         self._step_start: Any = None
+        self._open_bwd: list[list[tuple[Any, Any]]] = []  # per open backward window: the forwards that ran inside it
         self.enabled = True
 
     def __enter__(self) -> SlotTimer:
@@ -93,7 +101,8 @@ class SlotTimer:
     def attach(self) -> None:
         for m in self.modules:
             self.handles.append(m.module.register_forward_pre_hook(self._pre(m.slot_prefix)))
-            self.handles.append(m.module.register_forward_hook(self._post(m.slot_prefix)))
+            # always_call: a recompute stopped early (non-reentrant checkpoint) raises out of a module's forward
+            self.handles.append(m.module.register_forward_hook(self._post(m.slot_prefix), always_call=True))
 
     def detach(self) -> None:
         for h in self.handles:
@@ -119,20 +128,25 @@ class SlotTimer:
             start = module.__dict__.pop("_tpo_fwd_start", None)
             if start is not None:
                 cur[f"{prefix}.fwd"].append((start, end))
+                if self._open_bwd:  # a recompute inside a module's backward: not that backward's time
+                    self._open_bwd[-1].append((start, end))
             t = _first_tensor(out)
             node = module_node(t) if t is not None and t.requires_grad else None
             if node is None:
                 return
             pair: list[Any] = [None, None]
+            inside: list[tuple[Any, Any]] = []
 
             def bwd_start(grad_outputs: Any) -> None:
                 pair[0] = self.event()
                 pair[0].record()
+                self._open_bwd.append(inside)
 
             def bwd_end(grad_inputs: Any, grad_outputs: Any) -> None:
                 pair[1] = self.event()
                 pair[1].record()
-                cur[f"{prefix}.bwd"].append((pair[0], pair[1]))
+                self._open_bwd[:] = [w for w in self._open_bwd if w is not inside]
+                cur[f"{prefix}.bwd"].append((pair[0], pair[1], inside))
 
             node.register_prehook(bwd_start)
             node.register_hook(bwd_end)
@@ -141,6 +155,7 @@ class SlotTimer:
 
     def begin_step(self) -> None:
         self._cur = defaultdict(list)
+        self._open_bwd.clear()
         self._step_start = self.event()
         self._step_start.record()
 
@@ -158,10 +173,16 @@ class SlotTimer:
         for start, end, cur in self.steps:
             step_ms.append(start.elapsed_time(end))
             for s in slots:
-                pairs = [(a, b) for a, b in cur.get(s, []) if a is not None and b is not None]
-                per_slot[s].append(sum(a.elapsed_time(b) for a, b in pairs) if pairs else float("nan"))
+                spans = [(w[0], w[1], w[2] if len(w) > 2 else ()) for w in cur.get(s, [])]
+                done = [(a, b, inner) for a, b, inner in spans if a is not None and b is not None]
+                per_slot[s].append(sum(_inner_ms(a, b, inner) for a, b, inner in done) if done else float("nan"))
         self.steps.clear()
         return per_slot, step_ms
+
+
+def _inner_ms(start: Any, end: Any, inside: Sequence[tuple[Any, Any]]) -> float:
+    """ms from ``start`` to ``end`` less the forwards that ran inside (a recompute within a backward)."""
+    return start.elapsed_time(end) - sum(a.elapsed_time(b) for a, b in inside)
 
 
 def agree_max(values: Sequence[float], group: Any = None, device: torch.device | str = "cpu") -> list[float]:

@@ -27,7 +27,9 @@ from megatron.bridge.training.comm_overlap import CommOverlapConfig
 
 from megatron_tp_overlap.engine.options import PREFIX, TuneOptions, option_fields
 from megatron_tp_overlap.integrations.megatron.flags import default_output, follow_fields, output_problems
+from megatron_tp_overlap.integrations.megatron.graphs import Capture
 from megatron_tp_overlap.integrations.megatron.launcher import guarded_compile_helpers, verifying
+from megatron_tp_overlap.integrations.megatron.recompute import Recompute
 from megatron_tp_overlap.integrations.megatron.run_shape import RunShape
 from megatron_tp_overlap.ub.layer_cfg import reference_config
 
@@ -107,6 +109,9 @@ def tune_before_training(
         reference_config(getattr(state.cfg.model, "tp_comm_overlap_cfg", None)),
         out,
         remaining_iters=_remaining_iters(state),
+        # Bridge's loop captures as Megatron-LM's (train.py), skipped iterations aside
+        capture=Capture.of(state.cfg.model, getattr(state.cfg.train, "iterations_to_skip", None) or (), bridge=True),
+        recompute=Recompute.of(state.cfg.model),
     )
     state.cfg.model.tp_comm_overlap_cfg = str(out)  # what the rest of the run (and a saved config) uses
     follow = follow_recipe(tuned, run.tp, state.cfg.model, overlap)

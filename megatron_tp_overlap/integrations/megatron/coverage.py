@@ -35,8 +35,21 @@ def megatron_notes(config: Any, asked_overlap: bool) -> list[str]:
     return notes
 
 
-def model_coverage(model: list, asked_overlap: bool = True, extra_notes: tuple[str, ...] = ()) -> Coverage:
-    """The coverage of Megatron's model chunks, with megatron-core's own switches named."""
+def model_coverage(model: list, asked_overlap: bool = True, recompute: Any = None) -> Coverage:
+    """The coverage of Megatron's model chunks, with megatron-core's own switches named, and (``recompute``: the
+    run's :class:`~integrations.megatron.recompute.Recompute`) the forwards that run once without overlap."""
+    from megatron_tp_overlap.engine.topology import find_overlap_modules
+    from megatron_tp_overlap.integrations.megatron.recompute import describe_no_grad, no_grad_forward_gemms
+
+    extra_notes: tuple[str, ...] = ()
+    if recompute is not None:
+        modules = find_overlap_modules(model)
+        moe = any(m.shared_expert for m in modules) or any(
+            "GroupedLinear" in {c.__name__ for c in type(x).__mro__} for chunk in model for x in chunk.modules()
+        )
+        dense = any(m.name in ("fc1", "mlp") and not m.shared_expert for m in modules)
+        note = describe_no_grad(no_grad_forward_gemms(modules, recompute, dense, moe))
+        extra_notes = (note,) if note else ()
     config = None
     try:
         from megatron.core.utils import get_model_config

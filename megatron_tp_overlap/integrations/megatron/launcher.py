@@ -27,6 +27,8 @@ from megatron_tp_overlap.integrations.megatron.flags import (
     output_path,
     reference_from_args,
 )
+from megatron_tp_overlap.integrations.megatron.graphs import Capture
+from megatron_tp_overlap.integrations.megatron.recompute import Recompute
 from megatron_tp_overlap.integrations.megatron.run_shape import RunShape
 from megatron_tp_overlap.integrations.megatron.tuning import hand_over, tune
 
@@ -157,6 +159,8 @@ def _train_after_tuning(original_train: Callable) -> Callable:
                 trial_context=lambda: _fatal_checks_paused(args),
                 check_state=os.environ.get(CHECK_STATE_ENV) == "1",
                 remaining_iters=args.train_iters - (getattr(args, "iteration", 0) or 0) if args.train_iters else None,
+                capture=Capture.of(args, getattr(args, "iterations_to_skip", None) or ()),  # CUDA graphs, if any
+                recompute=Recompute.of(args),
             )
             train_data_iterator, verification = hand_over(tuned), tuned.verification
         with verifying(mtraining, "train_step", verification):

@@ -9,6 +9,8 @@ from typing import Any, Optional
 
 from megatron_tp_overlap.engine.cache import TuningKey
 from megatron_tp_overlap.engine.switcher import UbInitArgs
+from megatron_tp_overlap.integrations.megatron.graphs import graph_mode, refusal
+from megatron_tp_overlap.integrations.megatron.recompute import Recompute
 
 
 def _precision(c: Any) -> str:
@@ -32,17 +34,8 @@ def _bf16_edge_layers(c: Any) -> bool:
     )
 
 
-SAFE_RECOMPUTE = {"core_attn"}  # selective recompute of the attention core re-runs no overlapped GEMM
-
-
 def _recompute(c: Any) -> Optional[str]:
-    granularity = getattr(c, "recompute_granularity", None)
-    if granularity == "full":
-        return "--recompute-granularity full"
-    modules = set(getattr(c, "recompute_modules", None) or ["core_attn"])
-    if granularity == "selective" and modules - SAFE_RECOMPUTE:
-        return f"--recompute-modules {' '.join(sorted(modules))}"
-    return None
+    return Recompute.of(c).flag()
 
 
 def _moe(c: Any, experts: Optional[int]) -> str:
@@ -66,12 +59,7 @@ def _moe(c: Any, experts: Optional[int]) -> str:
 
 
 def _cuda_graphs(c: Any) -> Optional[str]:
-    impl = getattr(c, "cuda_graph_impl", "none") or "none"
-    if impl != "none":
-        return f"--cuda-graph-impl {impl}"
-    if getattr(c, "enable_cuda_graph", False) or getattr(c, "external_cuda_graph", False):
-        return "--enable-cuda-graph / --external-cuda-graph"
-    return None
+    return graph_mode(c)
 
 
 @dataclass(frozen=True)
@@ -98,10 +86,10 @@ class RunShape:
     bootstrap_backend: str = "nccl"
     bf16_edge_layers: bool = False  # FP8 run with its first/last layers in bf16: a second userbuffers mode
     decoder_seq_length: Optional[int] = None
-    recompute: Optional[str] = None  # what activation recompute re-runs, when it re-runs an overlapped GEMM
+    recompute: Optional[str] = None  # recompute flags, when recompute re-runs an overlap GEMM (part of the key)
     moe_experts: Optional[int] = None
     moe: str = ""  # _moe: the MoE layout, part of the reuse key
-    cuda_graphs: Optional[str] = None  # Megatron's CUDA graph mode, when on
+    cuda_graphs: Optional[str] = None  # Megatron's CUDA graph mode (graphs.MODES), when on
     precision: str = ""  # FP8 format/recipe, FP4, bf16 edge layer counts (_precision); part of the reuse key
 
     @staticmethod
@@ -195,16 +183,9 @@ class RunShape:
                 "needs Transformer Engine (pip install transformer-engine[pytorch]) and "
                 "--transformer-impl transformer_engine"
             )
-        if self.recompute:
-            p.append(
-                f"activation recompute ({self.recompute}) re-runs the forward of overlapped GEMMs, which the "
-                "per-module timing would count twice: tune without it (the tuned YAML applies to the run with it)"
-            )
-        if self.cuda_graphs:
-            p.append(
-                f"CUDA graphs ({self.cuda_graphs}) capture the userbuffers of one config; switching configs "
-                "live cannot run under them: tune without them"
-            )
+        graphs = refusal(self.cuda_graphs, self.recompute)  # only what Megatron itself refuses
+        if graphs:
+            p.append(graphs)
         if self.fp16:
             p.append(
                 "--fp16 with TP overlap: TE's userbuffers reduce-scatter adds in bf16 on Ampere and newer "

@@ -83,18 +83,21 @@ class MegatronSteps:
 
     def _run(self) -> list:
         # Megatron's protocol (as train_step): loss validation is only legal inside this loop.
+        from megatron_tp_overlap.integrations.megatron.graphs import trial_guard
+
         it, losses, r = self._data(), [], self.run_shape
         while self.rerun.should_run_forward_backward(it):
-            losses = self.fb(
-                forward_step_func=self.forward_step_func,
-                data_iterator=it,
-                model=self.model,
-                num_microbatches=self.n_mb,
-                seq_length=r.seq_length,
-                micro_batch_size=r.micro_batch_size,
-                decoder_seq_length=r.decoder_seq_length,
-                forward_only=False,
-            )
+            with trial_guard(r, self.model):  # `local` CUDA graphs: a trial step never records nor captures
+                losses = self.fb(
+                    forward_step_func=self.forward_step_func,
+                    data_iterator=it,
+                    model=self.model,
+                    num_microbatches=self.n_mb,
+                    seq_length=r.seq_length,
+                    micro_batch_size=r.micro_batch_size,
+                    decoder_seq_length=r.decoder_seq_length,
+                    forward_only=False,
+                )
         return losses
 
     def step(self) -> None:

@@ -81,6 +81,8 @@ def tune(
     check_state: bool = False,
     log: Optional[Callable[..., None]] = None,
     remaining_iters: Optional[int] = None,
+    capture: Any = None,
+    recompute: Any = None,
 ) -> Tuned:
     """Tune the userbuffers config of the live ``model`` (Megatron's model chunks, userbuffers initialized with
     ``reference``) before the first iteration; the chosen config is left applied and written to ``output``
@@ -89,7 +91,9 @@ def tune(
     ``trial_context``: entered around the trial steps (e.g. to pause the framework's fatal NaN checks: the
     numerics guard rejects such a candidate instead). ``check_state``: verify bitwise that tuning left the
     training state untouched (slow; for tests and benchmarks). ``remaining_iters``: training iterations the run
-    has left (None: unknown); the in-run verification is shortened to end within them.
+    has left (None: unknown); the in-run verification is shortened to end within them. ``capture``: when the run
+    captures CUDA graphs (:class:`~integrations.megatron.graphs.Capture`); the verification ends before it.
+    ``recompute``: the run's :class:`~integrations.megatron.recompute.Recompute` (for the coverage line).
     """
     import torch
     import transformer_engine
@@ -99,7 +103,7 @@ def tune(
     from megatron_tp_overlap.integrations.megatron.coverage import model_coverage
 
     log = log or rank0_print
-    covered = model_coverage(model, run.tp_comm_overlap)
+    covered = model_coverage(model, run.tp_comm_overlap, recompute)
     log(f"{TAG} {covered.line()}")
     # as built, before any switch: a live config with a kind switched off also clears the modules' flags, and a
     # recipe read from them then left out the flag that switches it off (2 H200s: "bulk dgrad off" won, and the
@@ -111,7 +115,8 @@ def tune(
         config_digest(reference),
         ("allow_off" if options.allow_off else "yaml_only")
         + "+kind_switches+no_overlap+overlapped:"
-        + ",".join(sorted(active)),  # flags like --no-tp-comm-bulk-wgrad change what is overlapped
+        + ",".join(sorted(active))  # flags like --no-tp-comm-bulk-wgrad change what is overlapped
+        + (f"+recompute:{run.recompute}" if run.recompute else ""),  # a recompute re-runs forwards: other costs
     )
     cache = TunedConfigCache(options.cache_dir)
     init = run.init_args()
@@ -133,7 +138,9 @@ def tune(
                 active=active,
                 coverage=covered.to_dict(),
             )
-            tuned.verification = _verification(tuned, reference, switcher, options, key, cache, log, remaining_iters)
+            tuned.verification = _verification(
+                tuned, reference, switcher, options, key, cache, log, remaining_iters, capture=capture
+            )
             if tuned.verification is None:
                 switcher.close()
             return tuned
@@ -162,7 +169,7 @@ def tune(
     _tensorboard(result)
     undecided = result.search.undecided if result is not None else None
     tuned.verification = _verification(
-        tuned, reference, switcher, options, key, cache, log, remaining_iters, undecided=undecided
+        tuned, reference, switcher, options, key, cache, log, remaining_iters, undecided=undecided, capture=capture
     )
     if tuned.verification is None and switcher is not None:
         switcher.close()
@@ -180,12 +187,13 @@ def _verification(
     log: Callable,
     remaining: Optional[int] = None,
     undecided: Optional[TuningConfig] = None,
+    capture: Any = None,
 ) -> Any:
     """The in-run verification of ``tuned`` against ``reference`` (None when off or when there is nothing to
     verify); its verdict goes into the report, and the YAML, recipe and cache follow the config it keeps (rank 0,
     atomically). ``undecided``: when tuning kept the reference because its best config was ahead but not beyond the
     interval its budget allowed, that config is verified instead: the YAML keeps the reference unless the run's
-    own iterations show the gain."""
+    own iterations show the gain. ``capture``: the run's CUDA graph capture; every switch ends before it."""
     import torch
 
     from megatron_tp_overlap.engine.measure import agree_max
@@ -195,7 +203,13 @@ def _verification(
     candidate = tuned.config if tuned.config != ref else undecided
     if options.verify_iters <= 0 or switcher is None or candidate is None or candidate == ref:
         return None
-    iters = fitting(options.verify_iters, remaining)
+    room = remaining if capture is None else capture.room(remaining)
+    iters = fitting(options.verify_iters, room)
+    if iters < options.verify_iters and room != remaining:  # the graph capture, not the run's end, bounds it
+        log(capture.line(span(1), options.verify_iters, iters))
+        if iters == 0:
+            tuned.notes.append(f"in-run verification skipped: CUDA graphs ({capture.mode}) capture before it ends")
+            return None
     if iters == 0:
         log(
             f"{TAG} in-run verification skipped: the run has {remaining} iterations left, the shortest verification "
@@ -203,7 +217,7 @@ def _verification(
         )
         tuned.notes.append("in-run verification skipped: too few iterations left")
         return None
-    if iters < options.verify_iters:
+    if iters < options.verify_iters and room == remaining:
         log(f"{TAG} in-run verification shortened to {iters} measured iterations: the run has {remaining} left")
 
     def on_verdict(v: Any) -> None:
