@@ -4,7 +4,8 @@ Resolution order: a local directory with a ``config.json``; the Hugging Face hub
 ``HF_HUB_OFFLINE`` is not set; reachable: a TCP connection to the hub, or to the HTTPS proxy, opens within 2 s,
 since on an offline GPU node the hub client otherwise retries for ~23 s per lookup); the local Hugging Face cache;
 the configs shipped with the package (``model_configs/<org>/<name>/config.json``: Llama 2, Llama 3/3.1, Qwen3
-0.6B-32B, GPT-3 1.3B-175B). All load
+0.6B-32B, GPT-3 1.3B-175B; MoE: Qwen3-30B-A3B/235B-A22B, Mixtral 8x7B/8x22B, gpt-oss 20b/120b, Llama-4 Scout/Maverick).
+All load
 through ``transformers.AutoConfig``; :attr:`ModelDims.source` says which one answered (and the hub revision).
 An unknown name is one clear error saying where it looked.
 """
@@ -17,7 +18,9 @@ import socket
 import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
+
+from megatron_tp_overlap.model_features import LayerFreq, moe_fields, moe_pattern
 
 SHIPPED = Path(__file__).with_name("model_configs")
 
@@ -36,6 +39,22 @@ class ModelDims:
     source: str = (
         ""  # where the config came from: "local directory", "hub@<revision>", "HF cache@<revision>", "shipped"
     )
+    # Mixture of experts (model_features.py; None: dense). ``ffn`` is then the dense layers' FFN.
+    num_experts: Optional[int] = None  # routed experts per MoE layer
+    moe_topk: Optional[int] = None  # experts per token
+    moe_ffn: Optional[int] = None  # one routed expert's FFN
+    shared_expert_ffn: Optional[int] = None  # the shared experts' FFN (None: no shared expert)
+    moe_layer_freq: LayerFreq = 1  # Megatron's --moe-layer-freq: 1 in N layers MoE, or a 0/1 per layer
+    not_reproduced: tuple[str, ...] = ()  # what the model has that the built GPT leaves out (GEMM shapes unchanged)
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.num_experts)
+
+    @property
+    def moe_layers(self) -> list[int]:
+        """Indices of the MoE layers (none for a dense model)."""
+        return [i for i, m in enumerate(moe_pattern(self.moe_layer_freq, self.layers)) if m] if self.is_moe else []
 
     @property
     def qkv_out(self) -> int:
@@ -128,19 +147,21 @@ def load_model_dims(name_or_path: str) -> ModelDims:
         return ModelDims(
             name_or_path, h, cfg.n_inner or 4 * h, heads, heads, h // heads, cfg.n_layer, cfg.vocab_size, False, source
         )
-    heads = cfg.num_attention_heads
-    kv = getattr(cfg, "num_key_value_heads", None) or heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    act = str(getattr(cfg, "hidden_act", "silu"))
+    t, extra = moe_fields(cfg)  # the decoder's config; refuses what cannot be built
+    heads = t.num_attention_heads
+    kv = getattr(t, "num_key_value_heads", None) or heads
+    head_dim = getattr(t, "head_dim", None) or t.hidden_size // heads
+    act = str(getattr(t, "hidden_act", "silu"))
     return ModelDims(
         name_or_path,
-        cfg.hidden_size,
-        cfg.intermediate_size,
+        t.hidden_size,
+        extra.pop("ffn"),
         heads,
         kv,
         head_dim,
-        cfg.num_hidden_layers,
-        cfg.vocab_size,
+        t.num_hidden_layers,
+        t.vocab_size,
         act in ("silu", "swish"),
         source,
+        **extra,
     )

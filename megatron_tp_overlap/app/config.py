@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from megatron_tp_overlap.app.moe import moe_derived, moe_problems, plain
 from megatron_tp_overlap.engine.options import TuneOptions
 from megatron_tp_overlap.errors import did_you_mean
 
@@ -35,12 +36,29 @@ class ModelConfig:
     kv_channels: Optional[int] = None  # head size; None: hidden / heads
     vocab_size: Optional[int] = None
     swiglu: Optional[bool] = None
+    # Mixture of experts (app/moe.py checks them; unset: dense, or from model.hf). ffn_hidden_size: the dense layers'.
+    num_experts: Optional[int] = None  # routed experts per MoE layer
+    moe_ffn_hidden_size: Optional[int] = None  # one routed expert's FFN
+    moe_router_topk: Optional[int] = None  # experts per token
+    moe_shared_expert_intermediate_size: Optional[int] = None  # the shared experts' FFN; None: no shared expert
+    moe_layer_freq: Any = None  # N (1 in N layers MoE, from the first) or a 0/1 per layer; None: every layer
+    # Routing, not in a Hugging Face config (Megatron-LM's defaults but the dispatcher and grouped GEMM)
+    moe_router_score_function: Optional[str] = None  # softmax | sigmoid | sqrtsoftplus; None: sigmoid with expert bias
+    moe_router_enable_expert_bias: bool = False  # aux-loss-free load balancing (DeepSeek-V3)
+    moe_router_load_balancing_type: str = "aux_loss"  # aux_loss | seq_aux_loss | global_aux_loss | sinkhorn | none
+    moe_aux_loss_coeff: float = 0.0
+    moe_grouped_gemm: bool = True
+    moe_token_dispatcher_type: str = "alltoall"  # alltoall | allgather
+
+
+MOE_KEYS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name.startswith(("moe_", "num_experts")))
 
 
 @dataclass
 class ParallelConfig:
     tp: Optional[int] = None  # None: all local GPUs
     pp: int = 1
+    ep: int = 1  # expert-model-parallel size (Megatron's expert TP size is parallel.tp)
     sequence_parallel: bool = True
 
 
@@ -139,9 +157,9 @@ def _key_problems(key: str, parts: list[str]) -> list[str]:
 def model_provenance(m: Any) -> dict[str, Any]:
     """Where ``m``'s dimensions come from: the ``hf`` model and its source (hub revision, cache, shipped, local
     directory), every dimension, and the ones the config gives over the model's (e.g. fewer layers for a proxy run)."""
-    given = {f.name: getattr(m, f.name) for f in dataclasses.fields(ModelConfig)}
+    given = {f.name: plain(getattr(m, f.name)) for f in dataclasses.fields(ModelConfig)}
     if not m.hf:
-        return {"hf": None, "source": "the config", "dims": given, "overridden": {}}
+        return {"hf": None, "source": "the config", "dims": given, "overridden": {}, "not_reproduced": []}
     from megatron_tp_overlap.models import load_model_dims
 
     d = load_model_dims(m.hf)
@@ -155,6 +173,7 @@ def model_provenance(m: Any) -> dict[str, Any]:
         kv_channels=d.head_dim,
         vocab_size=d.vocab,
         swiglu=d.gated_mlp,
+        **moe_derived(d, given["num_layers"]),
     )
     overridden = {
         k: {"given": v, "model": derived[k]}
@@ -162,7 +181,13 @@ def model_provenance(m: Any) -> dict[str, Any]:
         if v is not None and k in derived and k != "name" and v != derived[k]
     }
     dims = {k: (v if v is not None else derived.get(k)) for k, v in given.items()}
-    return {"hf": m.hf, "source": d.source, "dims": dims, "overridden": overridden}
+    return {
+        "hf": m.hf,
+        "source": d.source,
+        "dims": dims,
+        "overridden": overridden,
+        "not_reproduced": list(d.not_reproduced),
+    }
 
 
 def resolve_model(m: Any) -> ModelConfig:
@@ -198,7 +223,12 @@ def validate(cfg: Any, world_size: int) -> list[str]:
         return p + [f"parallel.tp = {tp}, parallel.pp = {par.pp}: must be >= 1"]
     if p:
         return p
-    return _layout_problems(m, par, tr, tp, world_size) + _overlap_problems(ov, tr, par, tp) + _output_problems(cfg)
+    return (
+        _layout_problems(m, par, tr, tp, world_size)
+        + moe_problems(m, par, tr, tp, world_size)
+        + _overlap_problems(ov, tr, par, tp)
+        + _output_problems(cfg)
+    )
 
 
 def _layout_problems(m: ModelConfig, par: Any, tr: Any, tp: int, world_size: int) -> list[str]:

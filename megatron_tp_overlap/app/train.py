@@ -19,6 +19,7 @@ from typing import Any
 
 from megatron_tp_overlap.app.config import (
     CONF_DIR,
+    MOE_KEYS,
     check_overrides,
     model_provenance,
     register,
@@ -109,6 +110,7 @@ def megatron_args(cfg: Any, tp: int) -> list[str]:
     from megatron_tp_overlap.integrations.megatron.gpt import megatron_argv
 
     m, tr = resolve_model(cfg.model), cfg.training
+    moe = ({k: getattr(m, k) for k in MOE_KEYS} | {"ep": cfg.parallel.ep}) if m.num_experts else None
     return megatron_argv(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
@@ -128,6 +130,7 @@ def megatron_args(cfg: Any, tp: int) -> list[str]:
         lr=tr.lr,
         seed=tr.seed,
         swiglu=bool(m.swiglu),
+        moe=moe,
     )
 
 
@@ -166,6 +169,20 @@ def model_line(model: dict[str, Any]) -> str:
         f"{d['hidden_size']}, ffn {d['ffn_hidden_size']}, {d['num_attention_heads']} heads / "
         f"{d['num_query_groups'] or d['num_attention_heads']} KV"
     )
+    if d.get("num_experts"):
+        freq = d["moe_layer_freq"]
+        layers = (
+            f"layers {[i for i, x in enumerate(freq) if x]}"
+            if isinstance(freq, list)
+            else "every layer"
+            if freq in (None, 1)
+            else f"every {freq}th layer from layer 0"
+        )
+        line += (
+            f"; MoE on {layers}: {d['num_experts']} experts, top-{d['moe_router_topk']}, expert ffn "
+            f"{d['moe_ffn_hidden_size'] or d['ffn_hidden_size']}, shared expert ffn "
+            f"{d['moe_shared_expert_intermediate_size'] or 'none'}"
+        )
     if model["overridden"]:
         line += "; given instead of the model's: " + ", ".join(
             f"{k}={v['given']} (model: {v['model']})" for k, v in model["overridden"].items()
@@ -224,6 +241,8 @@ def run(cfg: Any) -> None:
         (run_dir / "model.json").write_text(json.dumps(model, indent=1) + "\n")
         print(f"{TAG} run directory {run_dir}; {what}", flush=True)
         print(f"{TAG} {model_line(model)}", flush=True)
+        if model.get("not_reproduced"):
+            print(f"{TAG} not reproduced (GEMM shapes unchanged): {', '.join(model['not_reproduced'])}", flush=True)
 
     from megatron_tp_overlap.integrations.megatron.gpt import main as megatron_main
 

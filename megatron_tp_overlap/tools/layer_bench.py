@@ -181,10 +181,12 @@ def main(argv: list[str] | None = None) -> None:
     from megatron_tp_overlap.engine.search import SearchOptions
     from megatron_tp_overlap.engine.space import TuningConfig, all_off, space_spec_for_dgrad_mode
     from megatron_tp_overlap.engine.tuner import Autotuner
+    from megatron_tp_overlap.model_features import dense_only
     from megatron_tp_overlap.models import load_model_dims
     from megatron_tp_overlap.ub.config import UbConfig
 
     d = load_model_dims(a.model)
+    dense_only(d, "layer_bench")
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl")
     tp, rank = dist.get_world_size(), dist.get_rank()

@@ -18,13 +18,15 @@ from typing import Any
 
 from megatron_tp_overlap.atomic import atomic_write_text
 from megatron_tp_overlap.integrations.megatron.flags import flags_for
+from megatron_tp_overlap.model_features import dense_only
 from megatron_tp_overlap.models import ModelDims
 from megatron_tp_overlap.tools.scaling import scaling_report
 from megatron_tp_overlap.ub.config import dumps_yaml, parse_ub_cfgs
 
 
 def plan_tp_sizes(d: ModelDims, max_tp: int, gpus: int, tokens: int) -> list[int]:
-    """TP sizes to run (powers of two); a clear error when none fits."""
+    """TP sizes to run (powers of two); a clear error when none fits, or for an MoE model."""
+    dense_only(d, "sweep")
     if gpus < 1:
         raise ValueError("sweep needs CUDA GPUs on this machine")
     if max_tp < 1:

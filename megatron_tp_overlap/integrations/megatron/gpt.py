@@ -6,11 +6,13 @@
 TE layer spec, mock data (``MockGPTDataset``), Megatron's own ``pretrain`` and parser. Scope: the
 plain decoder-only case (no context parallelism, packed sequences or multi-token prediction); other
 settings are refused with a clear message. ``megatron_argv`` turns a model/parallel/training
-description into Megatron flags for the Hydra app.
+description into Megatron flags for the Hydra app; with ``num_experts`` in ``moe``, Megatron's GPT builder
+(``get_gpt_decoder_block_spec``) makes the layers of ``--moe-layer-freq`` MoE layers.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -43,8 +45,10 @@ def megatron_argv(
     seed: int = 1234,
     swiglu: bool = True,
     log_interval: int = 1,
+    moe: Mapping[str, Any] | None = None,
 ) -> list[str]:
-    """Megatron-LM flags for a RoPE/RMSNorm GPT on mock data (what the Hydra app launches)."""
+    """Megatron-LM flags for a RoPE/RMSNorm GPT on mock data (what the Hydra app launches); ``moe``: the MoE keys of
+    the app's ModelConfig and ``ep`` (see :func:`moe_argv`), none or ``num_experts`` unset for a dense GPT."""
     if precision not in ("bf16", "fp8"):
         raise ValueError(f"precision = {precision!r}: must be 'bf16' or 'fp8'")
     values = {
@@ -88,6 +92,69 @@ def megatron_argv(
         values["--num-query-groups"] = num_query_groups
     if precision == "fp8":
         values["--fp8-format"] = "hybrid"
+    return (
+        [x for k, v in values.items() if v is not None for x in (k, str(v))]
+        + [k for k, on in switches.items() if on]
+        + (moe_argv(**moe, sequence_parallel=sequence_parallel, tp=tp, fp8=precision == "fp8") if moe else [])
+    )
+
+
+def moe_argv(
+    *,
+    num_experts: int | None,
+    moe_router_topk: int | None,
+    moe_ffn_hidden_size: int | None = None,
+    moe_shared_expert_intermediate_size: int | None = None,
+    moe_layer_freq: int | list[int] | None = None,
+    moe_router_score_function: str | None = None,
+    moe_router_enable_expert_bias: bool = False,
+    moe_router_load_balancing_type: str = "aux_loss",
+    moe_aux_loss_coeff: float = 0.0,
+    moe_grouped_gemm: bool = True,
+    moe_token_dispatcher_type: str = "alltoall",
+    ep: int = 1,
+    sequence_parallel: bool = True,
+    tp: int = 1,
+    fp8: bool = False,
+) -> list[str]:
+    """Megatron-LM core_v0.19.0's MoE flags (none when ``num_experts`` is unset); a combination Megatron refuses is
+    one ValueError line here, before launch."""
+    if not num_experts:
+        return []
+    score = moe_router_score_function or ("sigmoid" if moe_router_enable_expert_bias else "softmax")
+    bad = []
+    if not (moe_router_topk and 1 <= moe_router_topk <= num_experts):
+        bad.append(f"moe_router_topk = {moe_router_topk}: must be between 1 and num_experts = {num_experts}")
+    if ep < 1 or num_experts % ep:
+        bad.append(f"ep = {ep}: must divide num_experts = {num_experts}")
+    if tp > 1 and not sequence_parallel:
+        bad.append("MoE with TP > 1 needs sequence parallelism")
+    if moe_router_enable_expert_bias and score == "softmax":
+        bad.append("expert bias needs the sigmoid or sqrtsoftplus score function")
+    if bad:
+        raise ValueError("MoE: " + "; ".join(bad))
+    values = {
+        "--num-experts": num_experts,
+        "--moe-router-topk": moe_router_topk,
+        "--moe-ffn-hidden-size": moe_ffn_hidden_size,
+        "--moe-shared-expert-intermediate-size": moe_shared_expert_intermediate_size,
+        "--moe-layer-freq": (
+            f"[{','.join(map(str, moe_layer_freq))}]" if isinstance(moe_layer_freq, (list, tuple)) else moe_layer_freq
+        ),
+        "--moe-router-score-function": score,
+        "--moe-router-load-balancing-type": moe_router_load_balancing_type,
+        "--moe-aux-loss-coeff": moe_aux_loss_coeff,
+        "--moe-token-dispatcher-type": moe_token_dispatcher_type,
+        "--expert-model-parallel-size": ep,
+    }
+    switches = {
+        "--moe-router-enable-expert-bias": moe_router_enable_expert_bias,
+        "--moe-grouped-gemm": moe_grouped_gemm,
+        # Megatron refuses top-1 softmax routing without it (softmax over one score has no gradient)
+        "--moe-router-pre-softmax": moe_router_topk == 1 and score == "softmax",
+        # FP8 expert GEMMs take token counts padded to the FP8 alignment
+        "--moe-router-padding-for-quantization": fp8,
+    }
     return [x for k, v in values.items() if v is not None for x in (k, str(v))] + [
         k for k, on in switches.items() if on
     ]
