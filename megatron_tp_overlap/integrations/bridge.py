@@ -30,6 +30,7 @@ from megatron_tp_overlap.integrations.megatron.flags import default_output, foll
 from megatron_tp_overlap.integrations.megatron.launcher import guarded_compile_helpers, verifying
 from megatron_tp_overlap.integrations.megatron.run_shape import RunShape
 from megatron_tp_overlap.ub.layer_cfg import reference_config
+from megatron_tp_overlap.ub.preset_shape import preset_named_in
 
 _installed = False
 
@@ -107,6 +108,7 @@ def tune_before_training(
         reference_config(getattr(state.cfg.model, "tp_comm_overlap_cfg", None)),
         out,
         remaining_iters=_remaining_iters(state),
+        reference_name=preset_named_in(getattr(state.cfg.model, "tp_comm_overlap_cfg", None)),
     )
     state.cfg.model.tp_comm_overlap_cfg = str(out)  # what the rest of the run (and a saved config) uses
     follow = follow_recipe(tuned, run.tp, state.cfg.model, overlap)

@@ -112,7 +112,8 @@ def _write_outputs(tuned: Tuned, key: Any, cache: Any, wall_s: float, log: Calla
     try:
         write_report(
             out.with_suffix(".report.json"),
-            {**report, "tuning_key": asdict(key), "recipe": tuned.recipe.to_dict(), "notes": tuned.notes},
+            {**report, "tuning_key": asdict(key), "recipe": tuned.recipe.to_dict(), "notes": tuned.notes}
+            | ({"starting_config": tuned.starting_config} if tuned.starting_config else {}),
         )
         if res is not None:
             cache.put(

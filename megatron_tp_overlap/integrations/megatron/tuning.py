@@ -56,6 +56,7 @@ class Tuned:
     verification: Any = None  # engine.verify.InRunVerification the training loop drives; None: nothing to verify
     active: frozenset[str] = frozenset()  # the GEMMs the run overlaps as its flags built it (for every recipe)
     on_recipe: list[Callable[[Recipe], Any]] = field(default_factory=list)  # told when the recipe changes (every rank)
+    starting_config: Optional[dict] = None  # the NeMo preset(s) the starting config is, what for (report field)
 
 
 def hand_over(tuned: Any) -> Any:
@@ -80,6 +81,7 @@ def tune(
     check_state: bool = False,
     log: Optional[Callable[..., None]] = None,
     remaining_iters: Optional[int] = None,
+    reference_name: Optional[str] = None,
 ) -> Tuned:
     """Tune the userbuffers config of the live ``model`` (Megatron's model chunks, userbuffers initialized with
     ``reference``) before the first iteration; the chosen config is left applied and written to ``output``
@@ -88,15 +90,18 @@ def tune(
     ``trial_context``: entered around the trial steps (e.g. to pause the framework's fatal NaN checks: the
     numerics guard rejects such a candidate instead). ``check_state``: verify bitwise that tuning left the
     training state untouched (slow; for tests and benchmarks). ``remaining_iters``: training iterations the run
-    has left (None: unknown); the in-run verification is shortened to end within them.
+    has left (None: unknown); the in-run verification is shortened to end within them. ``reference_name``: the
+    preset ``reference`` was written from, when known (else it is recognised by content).
     """
     import torch
     import transformer_engine
 
     from megatron_tp_overlap.engine.cache import TunedConfigCache, config_digest
     from megatron_tp_overlap.engine.tuner import rank0_print
+    from megatron_tp_overlap.ub.preset_shape import announce
 
     log = log or rank0_print
+    starting = announce(reference, reference_name, run, torch.cuda.get_device_name(), log)  # preset for another shape?
     # as built, before any switch: a live config with a kind switched off also clears the modules' flags, and a
     # recipe read from them then left out the flag that switches it off (2 H200s: "bulk dgrad off" won, and the
     # recipe's fresh run overlapped qkv/fc1 dgrad again)
@@ -144,6 +149,7 @@ def tune(
         Recipe(str(output), [], [], {}),
         result,
         active=active,
+        starting_config=starting,
     )
     if result is None:
         tuned.notes.append(f"tuning failed ({'; '.join(failure) or 'no result'}): training with the starting config")
