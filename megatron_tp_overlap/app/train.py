@@ -82,6 +82,7 @@ def option_flags(ov: Any) -> list[str]:
 def overlap_flags(cfg: Any, run_dir: Path) -> tuple[list[str], str]:
     """Megatron flags for ``cfg.tp_overlap`` and a line saying what will happen."""
     from megatron_tp_overlap.ub.config import dumps_yaml
+    from megatron_tp_overlap.ub.preset_shape import preset_header
     from megatron_tp_overlap.ub.presets import get_preset
 
     ov = cfg.tp_overlap
@@ -90,7 +91,7 @@ def overlap_flags(cfg: Any, run_dir: Path) -> tuple[list[str], str]:
     flags, given = ["--tp-comm-overlap"], "TE's default ub_cfgs"
     if ov.preset is not None:
         target = run_dir / f"{ov.preset}.yaml"
-        target.write_text(dumps_yaml(get_preset(ov.preset), header=f"NeMo preset {ov.preset}"))
+        target.write_text(dumps_yaml(get_preset(ov.preset), header=preset_header(ov.preset)))
         flags, given = flags + ["--tp-comm-overlap-cfg", str(target)], f"preset {ov.preset}"
     elif ov.file:
         flags, given = flags + ["--tp-comm-overlap-cfg", str(ov.file)], str(ov.file)

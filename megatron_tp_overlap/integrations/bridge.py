@@ -32,6 +32,7 @@ from megatron_tp_overlap.integrations.megatron.launcher import guarded_compile_h
 from megatron_tp_overlap.integrations.megatron.recompute import Recompute
 from megatron_tp_overlap.integrations.megatron.run_shape import RunShape
 from megatron_tp_overlap.ub.layer_cfg import reference_config
+from megatron_tp_overlap.ub.preset_shape import preset_named_in
 
 _installed = False
 
@@ -112,6 +113,7 @@ def tune_before_training(
         # Bridge's loop captures as Megatron-LM's (train.py), skipped iterations aside
         capture=Capture.of(state.cfg.model, getattr(state.cfg.train, "iterations_to_skip", None) or (), bridge=True),
         recompute=Recompute.of(state.cfg.model),
+        reference_name=preset_named_in(getattr(state.cfg.model, "tp_comm_overlap_cfg", None)),
     )
     state.cfg.model.tp_comm_overlap_cfg = str(out)  # what the rest of the run (and a saved config) uses
     follow = follow_recipe(tuned, run.tp, state.cfg.model, overlap)

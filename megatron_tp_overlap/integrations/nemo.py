@@ -152,6 +152,7 @@ class AutotuneCommOverlapCallback(MegatronCommOverlapCallback):
 
         from megatron_tp_overlap.integrations.megatron.tuning import hand_over, tune
         from megatron_tp_overlap.ub.layer_cfg import reference_config
+        from megatron_tp_overlap.ub.preset_shape import preset_named_in
 
         mp = trainer.model  # MegatronParallel: the model chunks, NeMo's step functions
         run = RunShape.from_transformer_config(mp.config, get_micro_batch_size(), self.tp_comm_bootstrap_backend)
@@ -175,6 +176,7 @@ class AutotuneCommOverlapCallback(MegatronCommOverlapCallback):
             reference_config(self.tp_comm_overlap_cfg),
             self.output_path(trainer),
             remaining_iters=_remaining_iters(trainer),
+            reference_name=preset_named_in(self.tp_comm_overlap_cfg),
         )
         follow = self.follow_recipe(mp, run.tp)
         follow(getattr(self.tuned, "recipe", None))

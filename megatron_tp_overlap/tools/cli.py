@@ -37,13 +37,14 @@ def _validate(a: argparse.Namespace) -> int:
 
 def _preset(a: argparse.Namespace) -> int:
     from megatron_tp_overlap.ub.config import dumps_yaml
+    from megatron_tp_overlap.ub.preset_shape import preset_header
     from megatron_tp_overlap.ub.presets import PRESETS, get_preset
 
     if not a.name:
         print("\n".join(PRESETS))
         return 0
     try:
-        print(dumps_yaml(get_preset(a.name), header=f"preset {a.name}"), end="")
+        print(dumps_yaml(get_preset(a.name), header=preset_header(a.name)), end="")
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 1

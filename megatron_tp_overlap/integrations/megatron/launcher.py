@@ -31,6 +31,7 @@ from megatron_tp_overlap.integrations.megatron.graphs import Capture
 from megatron_tp_overlap.integrations.megatron.recompute import Recompute
 from megatron_tp_overlap.integrations.megatron.run_shape import RunShape
 from megatron_tp_overlap.integrations.megatron.tuning import hand_over, tune
+from megatron_tp_overlap.ub.preset_shape import preset_named_in
 
 CHECK_STATE_ENV = "MEGATRON_TP_OVERLAP_CHECK_STATE"  # 1: verify bitwise that tuning left the training state as it was
 
@@ -157,6 +158,7 @@ def _train_after_tuning(original_train: Callable) -> Callable:
                 reference_from_args(args),
                 output_path(args),
                 trial_context=lambda: _fatal_checks_paused(args),
+                reference_name=preset_named_in(getattr(args, "tp_comm_overlap_cfg", None)),
                 check_state=os.environ.get(CHECK_STATE_ENV) == "1",
                 remaining_iters=args.train_iters - (getattr(args, "iteration", 0) or 0) if args.train_iters else None,
                 capture=Capture.of(args, getattr(args, "iterations_to_skip", None) or ()),  # CUDA graphs, if any

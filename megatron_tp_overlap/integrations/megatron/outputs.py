@@ -118,7 +118,8 @@ def _write_outputs(tuned: Tuned, key: Any, cache: Any, wall_s: float, log: Calla
                 "coverage": tuned.coverage,
                 "recipe": tuned.recipe.to_dict(),
                 "notes": tuned.notes,
-            },
+            }
+            | ({"starting_config": tuned.starting_config} if tuned.starting_config else {}),
         )
         if res is not None:
             cache.put(

@@ -57,6 +57,7 @@ class Tuned:
     active: frozenset[str] = frozenset()  # the GEMMs the run overlaps as its flags built it (for every recipe)
     coverage: dict = field(default_factory=dict)  # engine.coverage.Coverage.to_dict(): what runs with userbuffers
     on_recipe: list[Callable[[Recipe], Any]] = field(default_factory=list)  # told when the recipe changes (every rank)
+    starting_config: Optional[dict] = None  # the NeMo preset(s) the starting config is, what for (report field)
 
 
 def hand_over(tuned: Any) -> Any:
@@ -83,6 +84,7 @@ def tune(
     remaining_iters: Optional[int] = None,
     capture: Any = None,
     recompute: Any = None,
+    reference_name: Optional[str] = None,
 ) -> Tuned:
     """Tune the userbuffers config of the live ``model`` (Megatron's model chunks, userbuffers initialized with
     ``reference``) before the first iteration; the chosen config is left applied and written to ``output``
@@ -93,7 +95,8 @@ def tune(
     training state untouched (slow; for tests and benchmarks). ``remaining_iters``: training iterations the run
     has left (None: unknown); the in-run verification is shortened to end within them. ``capture``: when the run
     captures CUDA graphs (:class:`~integrations.megatron.graphs.Capture`); the verification ends before it.
-    ``recompute``: the run's :class:`~integrations.megatron.recompute.Recompute` (for the coverage line).
+    ``recompute``: the run's :class:`~integrations.megatron.recompute.Recompute` (for the coverage line). ``reference_name``: the
+    preset ``reference`` was written from, when known (else it is recognised by content).
     """
     import torch
     import transformer_engine
@@ -101,10 +104,12 @@ def tune(
     from megatron_tp_overlap.engine.cache import TunedConfigCache, config_digest
     from megatron_tp_overlap.engine.tuner import rank0_print
     from megatron_tp_overlap.integrations.megatron.coverage import model_coverage
+    from megatron_tp_overlap.ub.preset_shape import announce
 
     log = log or rank0_print
     covered = model_coverage(model, run.tp_comm_overlap, recompute)
     log(f"{TAG} {covered.line()}")
+    starting = announce(reference, reference_name, run, torch.cuda.get_device_name(), log)  # preset for another shape?
     # as built, before any switch: a live config with a kind switched off also clears the modules' flags, and a
     # recipe read from them then left out the flag that switches it off (2 H200s: "bulk dgrad off" won, and the
     # recipe's fresh run overlapped qkv/fc1 dgrad again)
@@ -157,6 +162,7 @@ def tune(
         result,
         active=active,
         coverage=covered.to_dict(),
+        starting_config=starting,
     )
     if result is None:
         tuned.notes.append(f"tuning failed ({'; '.join(failure) or 'no result'}): training with the starting config")
