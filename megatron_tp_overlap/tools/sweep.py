@@ -141,13 +141,11 @@ def write_outputs(
 
 
 def _plot(times: dict[int, float], verdicts: Any, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: no global backend or figure registry in a library
 
     tps = sorted(times)
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig = Figure(figsize=(6, 4))
+    ax = fig.subplots()
     ax.plot(tps, [times[t] for t in tps], marker="o", label="measured (tuned overlap)")
     ax.plot(tps, [v.ideal_ms for v in verdicts], linestyle="--", label="ideal: time(TP=1) / TP")
     ax.set_xscale("log", base=2)
@@ -157,7 +155,6 @@ def _plot(times: dict[int, float], verdicts: Any, path: Path) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def visible_devices(env: dict) -> list[str]:
