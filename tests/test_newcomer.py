@@ -74,7 +74,7 @@ def test_library_plots_leave_pyplot_and_the_backend_alone():
     assert [str(f) for f, t in code.items() if uses.search(t)] == []
 
 
-def _dry(*overrides: str, world: int | None = 2, gpu: str | None = None) -> tuple[list[str], list[str]]:
+def _dry(*overrides: str, world: int = 2, gpu: str | None = None) -> tuple[list[str], list[str]]:
     from megatron_tp_overlap.app.dry_run import dry_run
     from megatron_tp_overlap.app.train import compose
 
@@ -102,11 +102,14 @@ def test_dry_run_resolves_model_hf_and_prints_what_the_launch_will_do(tmp_path):
 def test_dry_run_checks_what_the_tuner_checks_with_the_gpu(tmp_path):
     yaml = tmp_path / "ub.yaml"
     yaml.write_text("fc2_fprop:\n  method: pipeline\n  num_sm: 140\n")  # fits a B200 (148 SMs), not an H100 (132)
-    common = ("tp_overlap=file", f"tp_overlap.file={yaml}", f"output.root={tmp_path}")
-    assert _dry(*common, gpu="b200")[0] == []
-    (problem,) = _dry(*common, gpu="h100")[0]
+    from megatron_tp_overlap.app.dry_run import dry_run
+    from megatron_tp_overlap.app.train import compose
+
+    cfg = compose(["tp_overlap=file", f"tp_overlap.file={yaml}", f"output.root={tmp_path}"])
+    assert dry_run(cfg, 2, "test", "b200")[0] == []
+    (problem,) = dry_run(cfg, 2, "test", "h100")[0]
     assert "fc2_fprop.num_sm = 140" in problem and "SM count (132)" in problem
-    assert "give --world-size" in _dry(f"output.root={tmp_path}", world=None)[0][0]
+    assert "give --world-size" in dry_run(cfg, None, "", None)[0][0]
 
 
 def test_dry_run_exit_codes(monkeypatch, tmp_path, capsys):
