@@ -18,8 +18,10 @@ setup(
         "omegaconf>=2.3",
         "hydra-core>=1.3",
         "matplotlib>=3.7",
+        "numpy>=1.24",
         "filelock>=3.12",
         "transformers>=4.40",
+        "huggingface_hub>=0.23",  # imported directly (offline mode), not only through transformers
     ],
     entry_points={"console_scripts": ["megatron-tp-overlap = megatron_tp_overlap.tools.cli:main"]},
     extras_require={

@@ -1,12 +1,12 @@
 """Model dimensions from a Hugging Face model name or a local config directory.
 
-Resolution order: a local directory with a ``config.json``; the Hugging Face hub when it is reachable (and
-``HF_HUB_OFFLINE`` is not set; reachable: a TCP connection to the hub, or to the HTTPS proxy, opens within 2 s,
-since on an offline GPU node the hub client otherwise retries for ~23 s per lookup); the local Hugging Face cache;
-the configs shipped with the package (``model_configs/<org>/<name>/config.json``: Llama 2, Llama 3/3.1, Qwen3
-0.6B-32B, GPT-3 1.3B-175B; MoE: Qwen3-30B-A3B/235B-A22B, Mixtral 8x7B/8x22B, gpt-oss 20b/120b, Llama-4 Scout/Maverick).
-All load
-through ``transformers.AutoConfig``; :attr:`ModelDims.source` says which one answered (and the hub revision).
+Resolution order: a local ``config.json`` file or a directory with one; the Hugging Face hub when it is reachable
+(and offline mode is off: ``HF_HUB_OFFLINE`` / ``TRANSFORMERS_OFFLINE`` as huggingface_hub reads them; reachable: a
+TCP connection to the hub, or to the HTTPS proxy, opens within 2 s, since on an offline GPU node the hub client
+otherwise retries for ~23 s per lookup); the local Hugging Face cache; the configs shipped with the package
+(``model_configs/<org>/<name>/config.json``: Llama 2, Llama 3/3.1, Qwen3 0.6B-32B, GPT-3 1.3B-175B; MoE: Qwen3-30B-A3B
+/235B-A22B, Mixtral 8x7B/8x22B, gpt-oss 20b/120b, Llama-4 Scout/Maverick). All load through
+``transformers.AutoConfig``; :attr:`ModelDims.source` says which one answered (and the hub revision).
 An unknown name is one clear error saying where it looked.
 """
 
@@ -80,7 +80,11 @@ def _suggestion(name: str) -> str:
 
 
 def _hub_offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
+    """huggingface_hub's own rule (``constants.HF_HUB_OFFLINE``), read now rather than at its import."""
+    from huggingface_hub.constants import ENV_VARS_TRUE_VALUES
+
+    value = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
+    return value.upper() in ENV_VARS_TRUE_VALUES
 
 
 PROBE_TIMEOUT_S = 2.0
@@ -111,7 +115,11 @@ def find_config(name_or_path: str) -> tuple[Any, str]:
     """The ``transformers`` config of ``name_or_path`` and where it came from, in the resolution order above."""
     from transformers import AutoConfig
 
+    if not name_or_path.strip():
+        raise ValueError("empty: give a Hugging Face model name (e.g. Qwen/Qwen3-8B) or a folder holding config.json")
     local = Path(name_or_path).expanduser()
+    if local.is_file():
+        return _config_file(local), "local file"
     if (local / "config.json").is_file():
         try:
             return AutoConfig.from_pretrained(str(local), local_files_only=True), "local directory"
@@ -133,10 +141,33 @@ def find_config(name_or_path: str) -> tuple[Any, str]:
     shipped = SHIPPED / name_or_path
     if (shipped / "config.json").is_file():
         return AutoConfig.from_pretrained(str(shipped), local_files_only=True), "shipped"
+    if local.is_dir():  # a folder given, and no model of that name elsewhere: say what the folder lacks
+        raise ValueError(f"the folder {local} holds no config.json (a Hugging Face model folder has one)")
     raise ValueError(
         f"model {name_or_path!r}{_suggestion(name_or_path)}: looked in {', '.join(tried)} and the models shipped "
         f"with this package ({', '.join(shipped_models())})"
     )
+
+
+def _config_file(path: Path) -> Any:
+    """A Hugging Face config given as its JSON file; one line when the file is not one."""
+    import json
+
+    from transformers import AutoConfig
+
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"the file {path} is not a JSON model config ({type(e).__name__})") from None
+    if not isinstance(data, dict) or "model_type" not in data:
+        raise ValueError(
+            f"the file {path} is JSON but not a Hugging Face model config (no model_type): give the model's "
+            "config.json or its folder"
+        )
+    try:
+        return AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"the file {path} is not a readable model config: {str(e).splitlines()[0][:200]}") from None
 
 
 def load_model_dims(name_or_path: str) -> ModelDims:

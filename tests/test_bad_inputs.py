@@ -125,7 +125,7 @@ def cli_error(*argv: str, trace: object = None) -> str:
     for f in tmp.iterdir():
         f.unlink() if f.is_file() else f.rmdir()
     tmp.rmdir()
-    return err.getvalue() if code else ""
+    return err.getvalue() if code == 2 else ""  # bad input exits 2, in every tool
 
 
 _FILES = tempfile.TemporaryDirectory(prefix="tpo-bad-")  # removed when the test process ends
@@ -158,6 +158,39 @@ def run_without_megatron() -> str:
         else:
             sys.modules["megatron.training"] = saved
     return err.getvalue()
+
+
+def train_error(*argv: str, rank: str = "0") -> str:
+    """stderr of ``python -m megatron_tp_overlap.train ARGV`` when it exits 2 without a traceback or Hydra's block
+    (the project's format); stdout must then be empty (nothing else printed)."""
+    import contextlib
+    import io
+    import sys
+
+    from megatron_tp_overlap.app.train import main
+
+    err, out, saved = io.StringIO(), io.StringIO(), sys.argv
+    sys.argv = ["megatron_tp_overlap.train", *argv]
+    env = pytest.MonkeyPatch()
+    env.setenv("RANK", rank)
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+            try:
+                main()
+                code = 0
+            except SystemExit as e:
+                code = e.code
+    finally:
+        sys.argv = saved
+        env.undo()
+    text = err.getvalue()
+    return text if code == 2 and "Traceback" not in text and "HYDRA_FULL_ERROR" not in text else ""
+
+
+def one_line(text: str) -> str:
+    """``text`` when it is one problem line (after the heading ``invalid config:``), else ""."""
+    lines = [ln for ln in text.splitlines() if ln.strip() and not ln.endswith(":")]
+    return text if len(lines) == 1 else ""
 
 
 GOOD_EVENT = {
@@ -506,6 +539,79 @@ CATALOG: list[tuple[str, Callable[[], str], tuple[str, ...]]] = [
         lambda: cli_error("sweep", "--model", "qwen3-8b", "--out", "{tmp}"),
         ("did you mean 'Qwen/Qwen3-8B'",),
     ),
+]
+
+
+CATALOG += [
+    # --- what a newcomer meets first (issue 51) ---
+    (
+        "train: wrong type, one line, exit 2",
+        lambda: one_line(train_error("parallel.tp=abc")),
+        ("parallel.tp = 'abc'", "must be an integer"),
+    ),
+    (
+        "train: boolean given a word",
+        lambda: train_error("parallel.sequence_parallel=maybe"),
+        ("parallel.sequence_parallel = 'maybe'", "true or false"),
+    ),
+    ("train: empty number", lambda: train_error("training.seq_length="), ("training.seq_length = ''", "an integer")),
+    (
+        "train: --dry-run of a launch validation refuses",
+        lambda: train_error("--dry-run", "parallel.tp=3", "tp_overlap.seconds=-5"),
+        ("model.num_attention_heads = 16: must be divisible by parallel.tp = 3", "tp_overlap.seconds = -5.0"),
+    ),
+    ("train: --world-size without --dry-run", lambda: train_error("--world-size=4"), ("only with --dry-run",)),
+    (
+        "hydra: model.hf a JSON file that is not a config",
+        lambda: one_line(hydra_error("model.hf=" + yaml_file('{"a": 1}', "x.json"))),
+        ("is JSON but not a Hugging Face model config",),
+    ),
+    ("hydra: model.hf empty", lambda: one_line(hydra_error("model.hf=")), ("model.hf = ''", "empty")),
+    (
+        "hydra: model.hf a folder without config.json",
+        lambda: one_line(hydra_error(f"model.hf={Path(yaml_file('', 'README')).parent}")),
+        ("holds no config.json",),
+    ),
+    ("cli validate: --tp 1", lambda: cli_error("validate", "x.yaml", "--tp", "1"), ("--tp = 1", ">= 2")),
+    (
+        "cli validate: num_sm beyond any GPU",
+        lambda: cli_error(
+            "validate", yaml_file("fc2_fprop:\n  method: pipeline\n  num_sm: 100000000000000000000000\n")
+        ),
+        ("fc2_fprop.num_sm", "the most SMs of any GPU"),
+    ),
+    (
+        "cli validate: --sm-count beyond any GPU",
+        lambda: cli_error("validate", "x.yaml", "--sm-count", "1000"),
+        ("--sm-count = 1000",),
+    ),
+    (
+        "cli validate: num_splits against the run's tokens",
+        lambda: cli_error(
+            "validate",
+            yaml_file("fc2_fprop:\n  method: pipeline\n  num_splits: 100000\n"),
+            "--megatron-args",
+            "--tensor-model-parallel-size 2 --seq-length 4096 --micro-batch-size 1 --bf16",
+        ),
+        ("fc2_fprop.num_splits = 100000", "tokens / TP = 4096 / 2 = 2048"),
+    ),
+    (
+        "cli validate: a wrapped ub_cfgs",
+        lambda: cli_error("validate", yaml_file("ub_cfgs:\n  qkv_fprop:\n    method: ring_exchange\n")),
+        ("ub.yaml:1", "drop `ub_cfgs:`"),
+    ),
+    ("cli analyze: not JSON", lambda: cli_error("analyze", yaml_file("{bad", "t.json")), ("t.json",)),
+    (
+        "cli sweep: --max-tp-size 3",
+        lambda: cli_error("sweep", "--model", "Qwen/Qwen3-8B", "--max-tp-size", "3", "--out", "{tmp}"),
+        ("--max-tp-size = 3", "power of two"),
+    ),
+    (
+        "cli sweep: --tol -1",
+        lambda: cli_error("sweep", "--model", "Qwen/Qwen3-8B", "--tol", "-1", "--out", "{tmp}"),
+        ("--tol = -1.0", ">= 0"),
+    ),
+    ("cli bench: ag 0 0 0 on any machine", lambda: cli_error("bench", "ag", "0", "0", "0"), ("M, N, K = 0, 0, 0",)),
 ]
 
 

@@ -13,7 +13,7 @@ def test_validate(tmp_path, capsys):
     assert "valid" in out and "warning: fc2_fprop: aggregate ignored" in out
     bad = tmp_path / "bad.yaml"
     bad.write_text("fc2_fprop: {method: pipeline, num_sm: 200}\n")
-    assert main(["validate", str(bad), "--sm-count", "132"]) == 1
+    assert main(["validate", str(bad), "--sm-count", "132"]) == 2  # bad input: exit 2, as everywhere
     assert "fc2_fprop.num_sm = 200" in capsys.readouterr().err
 
 
@@ -21,7 +21,7 @@ def test_preset(capsys):
     assert main(["preset"]) == 0 and "userbuffers_bf16_h100_h8192_tp4_mbs1_seqlen8192" in capsys.readouterr().out
     assert main(["preset", "userbuffers_bf16_h100_h8192_tp4_mbs1_seqlen8192"]) == 0
     assert "proj_fprop:" in capsys.readouterr().out
-    assert main(["preset", "nope"]) == 1
+    assert main(["preset", "nope"]) == 2
 
 
 def test_analyze(tmp_path, capsys):
@@ -33,4 +33,4 @@ def test_analyze(tmp_path, capsys):
     assert json.loads(out.read_text())[str(p)]["0"]["overlap_ms"] == 0.03
     bad = tmp_path / "bad.json"
     bad.write_text("[")
-    assert main(["analyze", str(bad)]) == 1
+    assert main(["analyze", str(bad)]) == 2

@@ -39,10 +39,13 @@ def test_every_readme_command_parses(command):
     words = shlex.split(re.sub(r"\$\([^)]*\)", "2", cmd))  # $(...) -> a number
     if "megatron_tp_overlap.train" in words:
         from megatron_tp_overlap.app.config import check_overrides, validate
+        from megatron_tp_overlap.app.dry_run import split_flags
         from megatron_tp_overlap.app.train import compose
 
-        overrides = words[words.index("megatron_tp_overlap.train") + 1 :]
-        nproc = next(w.split("=")[1] for w in shlex.split(cmd) if w.startswith("--nproc-per-node="))
+        ours, overrides = split_flags(words[words.index("megatron_tp_overlap.train") + 1 :])  # --dry-run's flags
+        nproc = ours.get("--world-size") or next(
+            w.split("=")[1] for w in shlex.split(cmd) if w.startswith("--nproc-per-node=")
+        )
         assert check_overrides(overrides) == []
         # $(nvidia-smi -L | wc -l): the GPUs of the user's node, 2, 4 or 8
         for n in (2, 4, 8) if nproc.startswith("$(") else (int(nproc),):

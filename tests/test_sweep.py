@@ -54,7 +54,7 @@ def test_outputs(tmp_path):
 def test_sweep_cli_errors_before_gpu_work(capsys):
     from megatron_tp_overlap.tools.cli import main
 
-    assert main(["sweep", "--model", "acme/Nope-1B", "--out", "/tmp/x"]) == 1
+    assert main(["sweep", "--model", "acme/Nope-1B", "--out", "/tmp/x"]) == 2
     assert "the models shipped with this package" in capsys.readouterr().err
 
 

@@ -103,8 +103,10 @@ def test_integer_ranges(knob, value, rule):
     assert p.key == f"fc2_fprop.{knob}" and p.value == value and rule in p.rule
 
 
-def test_num_sm_upper_bound_skipped_without_sm_count():
-    ok({"fc2_fprop": {"method": "pipeline", "num_sm": 200}}, ValidationContext())
+def test_num_sm_without_sm_count_is_bounded_by_any_gpus():
+    ok({"fc2_fprop": {"method": "pipeline", "num_sm": 150}}, ValidationContext())  # a B200 has 148, a B300 160
+    (p,) = problems({"fc2_fprop": {"method": "pipeline", "num_sm": 200}}, ValidationContext())
+    assert p.key == "fc2_fprop.num_sm" and "the most SMs of any GPU" in p.rule
 
 
 def test_is_reduce_scatter_must_match():

@@ -137,6 +137,34 @@ def check_overrides(overrides: list[str]) -> list[str]:
     return problems
 
 
+_TYPE_WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+def field_type(key: str) -> str:
+    """What ``key`` (``parallel.tp``) takes, in words: ``an integer (or null)``."""
+    cls: Any = AppConfig
+    for part in key.split("."):
+        cls = _fields(cls).get(part) if dataclasses.is_dataclass(cls) else None
+        if cls is None:
+            return "a value of another type"
+    args = [a for a in typing.get_args(cls) if a is not type(None)]
+    base = args[0] if args else cls
+    word = _TYPE_WORDS.get(base, getattr(base, "__name__", str(base)))
+    return f"{word} (or null)" if args else word
+
+
+def override_error(exc: BaseException) -> str:
+    """One line for an error Hydra raised composing the overrides: for a value of the wrong type (OmegaConf's
+    ValidationError) the key, the value and the type the key takes; else the first line of what Hydra said."""
+    cause = exc.__cause__ or exc
+    key = getattr(cause, "full_key", None)
+    if key and hasattr(cause, "value"):
+        return f"{key} = {cause.value!r}: must be {field_type(key)}"
+    first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+    override = getattr(exc, "override", None)  # OverrideParseException: the override it could not parse
+    return f"{override!r}: {first}" if override else first
+
+
 def _key_problems(key: str, parts: list[str]) -> list[str]:
     cls = AppConfig
     for i, p in enumerate(parts):
@@ -158,7 +186,7 @@ def model_provenance(m: Any) -> dict[str, Any]:
     """Where ``m``'s dimensions come from: the ``hf`` model and its source (hub revision, cache, shipped, local
     directory), every dimension, and the ones the config gives over the model's (e.g. fewer layers for a proxy run)."""
     given = {f.name: plain(getattr(m, f.name)) for f in dataclasses.fields(ModelConfig)}
-    if not m.hf:
+    if m.hf is None:
         return {"hf": None, "source": "the config", "dims": given, "overridden": {}, "not_reproduced": []}
     from megatron_tp_overlap.models import load_model_dims
 
@@ -203,7 +231,7 @@ def validate(cfg: Any, world_size: int) -> list[str]:
     try:
         m = resolve_model(cfg.model)
     except ValueError as e:
-        return [f"model.hf = {cfg.model.hf!r}: {e}"]
+        return [f"model.hf = {cfg.model.hf!r}: {str(e).removeprefix(f'model {cfg.model.hf!r}: ')}"]
     par, tr, ov = cfg.parallel, cfg.training, cfg.tp_overlap
     tp = par.tp if par.tp is not None else world_size
     p = [

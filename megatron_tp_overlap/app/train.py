@@ -255,13 +255,55 @@ def run(cfg: Any) -> None:
     log_file.flush()
 
 
-def main() -> None:
-    problems = check_overrides(sys.argv[1:])
+def composed(overrides: list[str]) -> Any:
+    """The config for ``overrides`` (Hydra's own flags and ``hydra.*`` keys left to Hydra), or the process ends with
+    one line per problem, exit 2: a typo with the valid keys and the closest one, a value of the wrong type with the
+    type the key takes (not Hydra's block and traceback, once per rank)."""
+    from megatron_tp_overlap.app.config import override_error
+
+    problems = check_overrides(overrides)
     if problems:
         refuse("megatron_tp_overlap.train: invalid overrides:\n" + "\n".join(f"  - {p}" for p in problems))
+    ours = [o for o in overrides if "=" in o and not o.startswith("-") and not o.lstrip("+~").startswith("hydra")]
+    try:
+        return compose(ours)
+    except Exception as e:  # noqa: BLE001 - Hydra/OmegaConf raise many kinds; each is a bad override here
+        refuse(f"megatron_tp_overlap.train: invalid override: {override_error(e)}")
+
+
+def dry_run_main(ours: dict[str, str], overrides: list[str]) -> None:
+    from megatron_tp_overlap.app.dry_run import dry_run, world_size
+
+    cfg = composed(overrides)
+    world, where = world_size(cfg, ours.get("--world-size"))
+    problems, lines = dry_run(cfg, world, where, ours.get("--gpu"))
+    if lines and os.environ.get("RANK", "0") == "0":
+        print("\n".join(f"{TAG} {line}" for line in lines), flush=True)
+    if problems:
+        refuse("megatron_tp_overlap.train: invalid config:\n" + "\n".join(f"  - {p}" for p in problems))
+    if os.environ.get("RANK", "0") == "0":
+        print(f"{TAG} dry run: the launch would pass validation", flush=True)
+    raise SystemExit(0)
+
+
+def main() -> None:
+    from megatron_tp_overlap.app.dry_run import flag_problems, split_flags
+
+    if sys.argv[1:2] == ["--version"]:
+        from megatron_tp_overlap import __version__
+
+        print(f"megatron-tp-overlap {__version__}")
+        raise SystemExit(0)
+    ours, rest = split_flags(sys.argv[1:])
+    problems = flag_problems(ours)
+    if problems:
+        refuse("megatron_tp_overlap.train: " + "; ".join(problems))
+    if ours:
+        dry_run_main(ours, rest)
+    composed(rest)  # bad overrides end here, before Hydra's own handling
     import hydra
 
-    sys.argv = [sys.argv[0], *with_model_group(sys.argv[1:])]
+    sys.argv = [sys.argv[0], *with_model_group(rest)]
     register()
     hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)(run)()
 

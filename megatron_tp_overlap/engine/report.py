@@ -74,19 +74,15 @@ def _fmt(v: float | None) -> str:
 
 
 def render_summary(rows: list[SummaryRow], result: SearchResult, title: str = "TP overlap autotune") -> str:
-    """A table as text (rich when installed)."""
+    """A table as text (rich, a dependency)."""
     header = ["slot", "GEMMs: chosen setting", "chosen ms", "reference ms", "no overlap ms"]
     body = [[r.slot, r.chosen, _fmt(r.chosen_ms), _fmt(r.reference_ms), _fmt(r.no_overlap_ms)] for r in rows]
     caption = (
         f"{len(result.trials)} trials, {result.steps_run} steps, {result.elapsed_s:.1f} s; decision: {result.reason}"
     )
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:  # plain text
-        widths = [max(len(str(x)) for x in col) for col in zip(header, *body)]
-        line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths))  # noqa: E731
-        return "\n".join([title, line(header), *(line(b) for b in body), caption])
+    from rich.console import Console
+    from rich.table import Table
+
     table = Table(title=title, caption=caption)
     for h in header:
         table.add_column(h, justify="right" if "ms" in h else "left")

@@ -7,14 +7,6 @@ import statistics
 from collections.abc import Sequence
 
 
-def robust_sigma(values: Sequence[float]) -> float:
-    """Standard deviation estimated from the median absolute deviation (outlier-resistant)."""
-    if len(values) < 2:
-        return 0.0
-    med = statistics.median(values)
-    return 1.4826 * statistics.median(abs(v - med) for v in values)
-
-
 def pooled_sigma(groups: Sequence[Sequence[float]], positional: bool = False) -> float:
     """Step-to-step spread pooled over groups of repeats of the same thing, from the differences of consecutive
     samples within each group: ``(x[i+1] - x[i]) / sqrt(2)`` has the samples' spread whatever the group size (residuals

@@ -31,7 +31,14 @@ TE_DTYPES = ("bfloat16", "float16")
 
 
 def _ints(s: str) -> list[int]:
-    return [int(x) for x in s.split(",") if x]
+    """argparse type: a comma list of integers >= 1."""
+    try:
+        values = [int(x) for x in s.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r}: not a comma list of integers") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{s!r}: each value must be >= 1")
+    return values
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -62,11 +69,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def check_shape(op: str, M: int, N: int, K: int, tp: int) -> list[str]:
     """Problems with a shape at TP size ``tp`` (before any GPU work)."""
     p = []
+    if min(M, N, K) < 1:  # before the GPU count: a bad shape is named on any machine
+        p.append(f"M, N, K = {M}, {N}, {K}: must be >= 1")
     if tp < 2:
         p.append(f"needs >= 2 GPUs (found {tp}): there is no tensor-parallel communication to overlap")
         return p
-    if min(M, N, K) < 1:
-        p.append(f"M, N, K = {M}, {N}, {K}: must be >= 1")
     if M % tp:
         p.append(f"M = {M} must be divisible by the TP size {tp} (tokens are split across ranks)")
     split, name = (N, "N") if op == "ag" else (K, "K")

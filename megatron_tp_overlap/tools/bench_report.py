@@ -98,10 +98,7 @@ def render(rows: list[Row], title: str, dtype: str = "bfloat16") -> str:
 
 
 def plot_sweep(results: dict[int, list[Row]], path: Path, title: str) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: no global backend or figure registry in a library
 
     series: dict[str, list[tuple[int, float]]] = {}
     for M, rows in sorted(results.items()):
@@ -111,7 +108,8 @@ def plot_sweep(results: dict[int, list[Row]], path: Path, title: str) -> Path:
         bound = min((r.metrics.bound_ms for r in rows if r.metrics), default=None)
         if bound is not None:
             series.setdefault("bound max(GEMM, comm)", []).append((M, bound))
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig = Figure(figsize=(8, 5))
+    ax = fig.subplots()
     for name, pts in series.items():
         ax.plot(
             [p[0] for p in pts],
@@ -127,7 +125,6 @@ def plot_sweep(results: dict[int, list[Row]], path: Path, title: str) -> Path:
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return path
 
 

@@ -1,6 +1,6 @@
 """``megatron-tp-overlap``: small offline commands.
 
-megatron-tp-overlap validate ub.yaml [--tp 4] [--fp8] [--sm-count 132]
+megatron-tp-overlap validate ub.yaml [--tp 4 --seq-length 8192 --micro-batch-size 1 --gpu h100 --dtype bf16]
 megatron-tp-overlap preset [NAME]          # list the presets, or print one as YAML
 megatron-tp-overlap analyze TRACE.json [--json OUT]
 megatron-tp-overlap bench ag|rs M N K [--dtype bfloat16] [--iters 10] [--sweep-m 1024,2048]
@@ -18,21 +18,8 @@ from pathlib import Path
 from megatron_tp_overlap.engine.options import TuneOptions
 from megatron_tp_overlap.engine.space import DGRAD_MODES
 from megatron_tp_overlap.errors import ConfigError
+from megatron_tp_overlap.tools import validate
 from megatron_tp_overlap.ub.config import MODULES
-
-
-def _validate(a: argparse.Namespace) -> int:
-    from megatron_tp_overlap.ub.rules import ValidationContext, load_and_validate
-
-    try:
-        cfg, notes = load_and_validate(a.yaml, ValidationContext(fp8=a.fp8, sm_count=a.sm_count, tp_size=a.tp))
-    except ConfigError as e:
-        print(e, file=sys.stderr)
-        return 1
-    for n in notes:
-        print(f"warning: {n}")
-    print(f"{a.yaml}: valid ({len(cfg)} GEMM entries: {cfg.describe()})")
-    return 0
 
 
 def _preset(a: argparse.Namespace) -> int:
@@ -47,7 +34,7 @@ def _preset(a: argparse.Namespace) -> int:
         print(dumps_yaml(get_preset(a.name), header=preset_header(a.name)), end="")
     except ConfigError as e:
         print(e, file=sys.stderr)
-        return 1
+        return 2
     return 0
 
 
@@ -66,10 +53,10 @@ def _analyze(a: argparse.Namespace) -> int:
             r = analyze(load(path))
         except ValueError as e:
             print(f"analyze: {path}: {e}" if str(path) not in str(e) else f"analyze: {e}", file=sys.stderr)
-            return 1
+            return 2
         if not r:
             print(f"analyze: {path}: no GPU kernel events (a CPU-only trace, or an empty one)", file=sys.stderr)
-            return 1
+            return 2
         print(f"{path}\n{render(r)}\n")
         results[path] = {dev: t.to_dict() for dev, t in r.items()}
     if a.json:
@@ -81,13 +68,22 @@ def _analyze(a: argparse.Namespace) -> int:
 
 def _sweep(a: argparse.Namespace) -> int:
     from megatron_tp_overlap.atomic import unwritable
-    from megatron_tp_overlap.tools.sweep import run_sweep
+    from megatron_tp_overlap.models import load_model_dims
+    from megatron_tp_overlap.tools.sweep import argument_problems, run_sweep
 
+    # every argument before the GPU check: a bad one gets its own line on any machine (exit 2)
+    problems = argument_problems(a.max_tp_size, a.tol)
     why = unwritable(a.out)
     if why:
-        print(f"sweep: --out {a.out}: cannot write there ({why})", file=sys.stderr)
+        problems.append(f"--out {a.out}: cannot write there ({why})")
+    if not problems:
+        try:
+            load_model_dims(a.model)
+        except ValueError as e:
+            problems.append(f"--model: {e}")
+    if problems:
+        print("\n".join(f"sweep: {p}" for p in problems), file=sys.stderr)
         return 2
-
     try:
         report = run_sweep(
             a.model,
@@ -133,14 +129,10 @@ def positive_float(text: str) -> float:
 def build_parser() -> argparse.ArgumentParser:
     """The command line of every subcommand but ``bench`` (which has its own parser)."""
     p = argparse.ArgumentParser(prog="megatron-tp-overlap", description=__doc__.split("\n\n")[0])
+    p.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("bench", help="AG+GEMM / GEMM+RS kernels: every overlap backend vs the bound (see bench --help)")
-    v = sub.add_parser("validate", help="check a --tp-comm-overlap-cfg YAML against TE's rules")
-    v.add_argument("yaml")
-    v.add_argument("--tp", type=positive_int, default=None)
-    v.add_argument("--fp8", action="store_true")
-    v.add_argument("--sm-count", type=positive_int, default=None)
-    v.set_defaults(fn=_validate)
+    validate.add_parser(sub, positive_int)
     pr = sub.add_parser("preset", help="list the presets, or print one as YAML")
     pr.add_argument("name", nargs="?")
     pr.set_defaults(fn=_preset)
@@ -150,13 +142,13 @@ def build_parser() -> argparse.ArgumentParser:
     an.set_defaults(fn=_analyze)
     sw = sub.add_parser("sweep", help="tune and time a model's layers at TP = 1, 2, 4, ...; recommend a TP size")
     sw.add_argument("--model", required=True, help="e.g. Qwen/Qwen3-8B (shipped), or a local config directory")
-    sw.add_argument("--max-tp-size", type=positive_int, default=8)
+    sw.add_argument("--max-tp-size", type=positive_int, default=8, help="largest TP size: a power of two")
     sw.add_argument(
         "--max-token-len", type=positive_int, default=8192, help="tokens per micro-batch (sequence x batch)"
     )
     sw.add_argument("--operators", nargs="+", default=list(MODULES), choices=MODULES)
     sw.add_argument("--layers", type=positive_int, default=2)
-    sw.add_argument("--tol", type=float, default=0.2, help="TP=n is efficient if time <= time(1)/n x (1 + tol)")
+    sw.add_argument("--tol", type=float, default=0.2, help="TP=n is efficient if time <= time(1)/n x (1 + tol); >= 0")
     sw.add_argument("--budget-s", type=positive_float, default=TuneOptions.seconds, help="tuning budget per TP size, s")
     sw.add_argument("--profile", action="store_true", help="torch-profiler traces and overlap ratios")
     sw.add_argument(
@@ -177,8 +169,17 @@ def main(argv: list[str] | None = None) -> int:
         from megatron_tp_overlap.tools.bench import main as bench_main
 
         return bench_main(argv[1:])
+    if argv[:1] == ["--version"]:
+        print(f"megatron-tp-overlap {version()}")
+        return 0
     a = build_parser().parse_args(argv)
     return a.fn(a)
+
+
+def version() -> str:
+    from megatron_tp_overlap import __version__
+
+    return __version__
 
 
 if __name__ == "__main__":

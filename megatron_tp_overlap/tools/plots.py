@@ -41,14 +41,12 @@ def slot_points(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
 def plot_report(
     report: dict[str, Any], path: str | Path, step_ms: Sequence[float] | None = None, title: str = "TP overlap autotune"
 ) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: no global backend or figure registry in a library
 
     pts = slot_points(report)
     n = len(pts) + (1 if step_ms else 0)
-    fig, axes = plt.subplots(n, 1, figsize=(12, 2.8 * n), squeeze=False)
+    fig = Figure(figsize=(12, 2.8 * n))
+    axes = fig.subplots(n, 1, squeeze=False)
     for ax, (slot, d) in zip(axes[:, 0], pts.items()):
         labels = sorted(d["options"], key=d["options"].get)
         ax.barh(range(len(labels)), [d["options"][x] for x in labels], color="tab:blue", label="option tried")
@@ -69,5 +67,4 @@ def plot_report(
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return path

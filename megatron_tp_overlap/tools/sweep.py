@@ -10,6 +10,7 @@ The overlap ratio (from ``--profile`` traces) is reported as explanation only.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -24,13 +25,23 @@ from megatron_tp_overlap.tools.scaling import scaling_report
 from megatron_tp_overlap.ub.config import dumps_yaml, parse_ub_cfgs
 
 
+def argument_problems(max_tp: int, tol: float) -> list[str]:
+    """Problems with the sweep's numbers, checked before anything needs a GPU."""
+    p = []
+    if max_tp < 1 or max_tp & (max_tp - 1):
+        p.append(f"--max-tp-size = {max_tp}: must be a power of two (the sweep runs TP = 1, 2, 4, ...)")
+    if not (math.isfinite(tol) and tol >= 0):
+        p.append(f"--tol = {tol}: must be a finite number >= 0 (the slowdown allowed against ideal scaling)")
+    return p
+
+
 def plan_tp_sizes(d: ModelDims, max_tp: int, gpus: int, tokens: int) -> list[int]:
     """TP sizes to run (powers of two); a clear error when none fits, or for an MoE model."""
     dense_only(d, "sweep")
     if gpus < 1:
         raise ValueError("sweep needs CUDA GPUs on this machine")
-    if max_tp < 1:
-        raise ValueError(f"--max-tp-size = {max_tp}: must be >= 1")
+    if argument_problems(max_tp, 0.0):
+        raise ValueError("; ".join(argument_problems(max_tp, 0.0)))
     sizes, tp = [], 1
     while tp <= min(max_tp, gpus):
         bad = [
@@ -132,13 +143,11 @@ def write_outputs(
 
 
 def _plot(times: dict[int, float], verdicts: Any, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: no global backend or figure registry in a library
 
     tps = sorted(times)
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig = Figure(figsize=(6, 4))
+    ax = fig.subplots()
     ax.plot(tps, [times[t] for t in tps], marker="o", label="measured (tuned overlap)")
     ax.plot(tps, [v.ideal_ms for v in verdicts], linestyle="--", label="ideal: time(TP=1) / TP")
     ax.set_xscale("log", base=2)
@@ -148,7 +157,6 @@ def _plot(times: dict[int, float], verdicts: Any, path: Path) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def visible_devices(env: dict) -> list[str]:

@@ -230,6 +230,13 @@ def parse_ub_cfgs(raw: Any, source: str | None = None, lines: Mapping[str, int] 
     problems: list[Problem] = []
     entries: dict[str, GemmOverlapConfig] = {}
     for name, body in raw.items():
+        if name == "ub_cfgs" and isinstance(body, Mapping):  # a config pasted with its TransformerConfig field name
+            rule = (
+                "a top-level `ub_cfgs:` wrapper: the file holds the GEMM entries themselves (as Megatron's "
+                "--tp-comm-overlap-cfg reads it); drop `ub_cfgs:` and unindent what it holds"
+            )
+            problems.append(Problem("<ub_cfgs>", None, rule, where("ub_cfgs")))
+            continue
         if name not in GEMM_NAMES:
             problems.append(
                 Problem(

@@ -27,6 +27,9 @@ from megatron_tp_overlap.ub.config import (
 )
 
 MAX_CGA_SIZE = 4
+# SMs per GPU as torch reports them (multi_processor_count), for checks made away from the GPU (SXM parts)
+GPU_SM_COUNTS = {"h100": 132, "h200": 132, "b200": 148}
+MAX_SM_COUNT = 160  # the most of any GPU so far (B300): a num_sm above it fits no GPU, whichever runs it
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,8 @@ def check(
             bad(f"{name}.num_sm", c.num_sm, "must be >= 1")
         if c.num_sm is not None and ctx.sm_count is not None and c.num_sm > ctx.sm_count:
             bad(f"{name}.num_sm", c.num_sm, f"must be <= the GPU's SM count ({ctx.sm_count})")
+        elif c.num_sm is not None and c.num_sm > MAX_SM_COUNT:
+            bad(f"{name}.num_sm", c.num_sm, f"must be <= {MAX_SM_COUNT}, the most SMs of any GPU")
         if c.cga_size is not None and not 1 <= c.cga_size <= MAX_CGA_SIZE:
             bad(f"{name}.cga_size", c.cga_size, f"must be in 1..{MAX_CGA_SIZE}")
         if c.num_splits is not None and c.num_splits < 1:

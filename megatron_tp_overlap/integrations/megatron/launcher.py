@@ -235,6 +235,16 @@ The script runs as ``__main__`` with its own folder first on ``sys.path`` (as ``
 after :func:`install` patched Megatron."""
 
 
+def help_text() -> str:
+    """The usage and the plugin's flags, as Megatron's parser will show them (no Megatron import: readable anywhere)."""
+    import argparse
+
+    flags = add_arguments(
+        argparse.ArgumentParser(prog="megatron_tp_overlap.run", add_help=False, usage=argparse.SUPPRESS)
+    )
+    return f"{USAGE}\n\n{flags.format_help().strip()}"
+
+
 def run_script(argv: list[str]) -> None:
     """``-m megatron_tp_overlap.run``: install, then run the training script as ``__main__``."""
     import runpy
@@ -243,8 +253,13 @@ def run_script(argv: list[str]) -> None:
     log = None
     if argv[:1] == ["--iteration-log"] and len(argv) >= 2:
         log, argv = argv[1], argv[2:]
+    if argv[:1] == ["--version"]:
+        from megatron_tp_overlap import __version__
+
+        print(f"megatron-tp-overlap {__version__}")
+        raise SystemExit(0)
     if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE)
+        print(help_text())
         raise SystemExit(0 if argv else 2)
     script = argv[0]
     if not os.path.isfile(script):
