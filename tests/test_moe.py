@@ -213,3 +213,36 @@ def test_the_coverage_line_names_the_no_grad_forward_of_activation_recompute():
     line = model_coverage([model], recompute=Recompute("full", "uniform", 1)).line()
     assert "fc1_fprop, qkv_fprop: not overlapped in the no_grad first forward" in line
     assert "no_grad" not in model_coverage([model], recompute=Recompute()).line()
+
+
+class GeneratorTracker:
+    """Like TE's CudaRNGStatesTracker under --te-rng-tracker (what CUDA graphs need): states are torch.Generator
+    objects that RNG use advances in place."""
+
+    def __init__(self):
+        g = torch.Generator()
+        g.manual_seed(7)
+        self.states_ = {"model-parallel-rng": g}
+
+    def get_states(self):
+        return dict(self.states_)
+
+    def set_states(self, states):
+        self.states_ = states
+
+    def fork(self):
+        torch.rand(3, generator=self.states_["model-parallel-rng"])
+
+
+def test_an_rng_tracker_of_generators_is_checked_and_restored():
+    """TE's RNG tracker keeps Generator objects: the state check compares their states (it raised a TypeError on an
+    H100 under --cuda-graph-impl local) and the snapshot restores them."""
+    tracker = GeneratorTracker()
+    snap = StateSnapshot.take([], tracker=tracker)
+    check = StateCheck([], None, tracker=tracker)
+    first = torch.rand(3, generator=tracker.states_["model-parallel-rng"]).tolist()
+    tracker.fork()
+    assert check.mismatches() == ["TP RNG tracker 'model-parallel-rng'"]
+    snap.restore()
+    assert check.mismatches() == []
+    assert torch.rand(3, generator=tracker.states_["model-parallel-rng"]).tolist() == first

@@ -88,8 +88,9 @@ def compare(runs: dict[str, dict], iters: int) -> dict:
         return None if len(a) >= iters and len(b) >= iters else -1
 
     base = runs["no trials"]["iterations"]
+    control = runs.get("no trials again")
     return {
-        "control (no trials twice)": first_diff(base, runs["no trials again"]["iterations"]),
+        "control (no trials twice)": first_diff(base, control["iterations"]) if control else "not run",
         "trials vs no trials": first_diff(base, runs["trials"]["iterations"]),
         "iterations compared": min(iters, *(len(r["iterations"]) for r in runs.values())),
         "state check after trials": runs["trials"].get("state_check_mismatches"),
@@ -108,6 +109,11 @@ def main() -> None:
     p.add_argument("--shape", default="", help="model keys of benchmarks/megatron_autotune.MODEL, e.g. hidden=3072")
     p.add_argument("--fp8", action="store_true", help="FP8 GEMMs (--fp8-format hybrid)")
     p.add_argument("--extra", default="", help="more Megatron-LM arguments, one string (MoE, recompute, graphs)")
+    p.add_argument(
+        "--no-control",
+        action="store_true",
+        help="skip the second run without trials (when the same command's control already ran: it costs a run)",
+    )
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--inner", default=None, help=argparse.SUPPRESS)
     a, rest = p.parse_known_args()
@@ -121,7 +127,7 @@ def main() -> None:
     args += shlex.split(a.extra)
     env = {**os.environ, "MEGATRON_TP_OVERLAP_DETERMINISTIC": "1"}
     runs, codes = {}, {}
-    for name in RUNS:
+    for name in [r for r in RUNS if not (a.no_control and r == "no trials again")]:
         f = out / f"{name.replace(' ', '_')}.json"
         trials = a.trials if name == "trials" else 0
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", __file__, "--inner", str(f)]
@@ -130,7 +136,7 @@ def main() -> None:
         codes[name] = subprocess.run(cmd, env=env).returncode
         runs[name] = json.loads(f.read_text()) if f.exists() else {"iterations": []}
     result = {"extra": a.extra, "shape": a.shape, "fp8": a.fp8, "exit_codes": codes, **compare(runs, a.iters)}
-    result["first_losses"] = {n: [r.get("lm loss") for r in runs[n]["iterations"][:3]] for n in RUNS}
+    result["first_losses"] = {n: [r.get("lm loss") for r in run["iterations"][:3]] for n, run in runs.items()}
     (out / "trials_leave_state.json").write_text(json.dumps(result, indent=1) + "\n")
     print(f"[trials_leave_state] {json.dumps(result)}", flush=True)
     sys.exit(max(codes.values()))

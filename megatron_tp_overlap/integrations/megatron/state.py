@@ -121,6 +121,19 @@ class StateSnapshot:
                         reset_fp8_state(meta[k])
 
 
+def rng_tracker_values(states: dict) -> dict:
+    """An RNG tracker's states as tensors to compare: Megatron's tracker keeps tensors, TE's (``--te-rng-tracker``,
+    which CUDA graphs need) keeps ``torch.Generator`` objects, graph-safe ones advanced in place."""
+    import torch
+
+    def value(v: Any) -> Any:
+        if isinstance(v, torch.Generator):
+            return v.get_state().clone()
+        return v.clone() if hasattr(v, "clone") else v
+
+    return {k: value(v) for k, v in states.items()}
+
+
 def module_buffers(models: Sequence[Any]) -> list[Any]:
     """Every registered buffer of the model chunks, once each (a buffer shared by two modules counts once)."""
     import torch
@@ -205,7 +218,7 @@ class StateCheck:
         self.rng = (
             torch.get_rng_state(),
             torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-            StateSnapshot._clone(self.tracker.get_states()) if self.tracker is not None else {},
+            rng_tracker_values(self.tracker.get_states()) if self.tracker is not None else {},
         )
         self.data = self._data()
 
@@ -304,7 +317,7 @@ class StateCheck:
         ):
             bad.append("CUDA RNG state")
         if self.tracker is not None:
-            now = self.tracker.get_states()
+            now = rng_tracker_values(self.tracker.get_states())
             bad += [f"TP RNG tracker '{k}'" for k in tr if k not in now or not torch.equal(tr[k], now[k])]
         if not self._same(self.data, self._data()):
             bad.append("data iterator position (read-ahead batches)")
