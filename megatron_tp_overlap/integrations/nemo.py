@@ -170,6 +170,8 @@ class AutotuneCommOverlapCallback(MegatronCommOverlapCallback):
             reference_config(self.tp_comm_overlap_cfg),
             self.output_path(trainer),
             remaining_iters=_remaining_iters(trainer),
+            # Lightning's process-group timeout (MegatronStrategy(timeout=...)): no agreement waits longer
+            distributed_timeout_s=getattr(getattr(trainer.strategy, "_timeout", None), "total_seconds", lambda: None)(),
         )
         follow = self.follow_recipe(mp, run.tp)
         follow(getattr(self.tuned, "recipe", None))

@@ -34,7 +34,7 @@ from megatron_tp_overlap.integrations.megatron.outputs import (  # noqa: F401 - 
     failed_report,
     recipe_path,
 )
-from megatron_tp_overlap.integrations.megatron.reuse import _check, _reuse  # noqa: F401
+from megatron_tp_overlap.integrations.megatron.reuse import TUNED_HERE, _check, _reuse, relaunched  # noqa: F401
 from megatron_tp_overlap.integrations.megatron.run_shape import RunShape
 from megatron_tp_overlap.integrations.megatron.steps import MegatronSteps, trial_microbatches  # noqa: F401
 from megatron_tp_overlap.ub.config import UbConfig
@@ -56,6 +56,7 @@ class Tuned:
     verification: Any = None  # engine.verify.InRunVerification the training loop drives; None: nothing to verify
     active: frozenset[str] = frozenset()  # the GEMMs the run overlaps as its flags built it (for every recipe)
     on_recipe: list[Callable[[Recipe], Any]] = field(default_factory=list)  # told when the recipe changes (every rank)
+    yaml_written: bool = True  # False: the disk refused the YAML (rank 0); the config is live in memory only
 
 
 def hand_over(tuned: Any) -> Any:
@@ -80,6 +81,7 @@ def tune(
     check_state: bool = False,
     log: Optional[Callable[..., None]] = None,
     remaining_iters: Optional[int] = None,
+    distributed_timeout_s: Optional[float] = None,
 ) -> Tuned:
     """Tune the userbuffers config of the live ``model`` (Megatron's model chunks, userbuffers initialized with
     ``reference``) before the first iteration; the chosen config is left applied and written to ``output``
@@ -88,7 +90,8 @@ def tune(
     ``trial_context``: entered around the trial steps (e.g. to pause the framework's fatal NaN checks: the
     numerics guard rejects such a candidate instead). ``check_state``: verify bitwise that tuning left the
     training state untouched (slow; for tests and benchmarks). ``remaining_iters``: training iterations the run
-    has left (None: unknown); the in-run verification is shortened to end within them.
+    has left (None: unknown); the in-run verification is shortened to end within them. ``distributed_timeout_s``:
+    the run's own (Megatron's ``--distributed-timeout-minutes``): no agreement of the tuning waits longer.
     """
     import torch
     import transformer_engine
@@ -112,10 +115,14 @@ def tune(
     cache = TunedConfigCache(options.cache_dir)
     init = run.init_args()
     steps = MegatronSteps(model, forward_step_func, optimizer, data_iterator, run, options.microbatches)
-    if options.reuse:
+    again = relaunched(key.digest())
+    if again and not options.reuse:
+        log(f"{TAG} {again}: reusing the config tuned for this shape before, after its numerics check in this run")
+    if options.reuse or again:
 
         def check(config: TuningConfig) -> tuple[str | None, Any]:
-            return _check(_make_tuner(model, steps, init, run, options, reference, log), steps, trial_context, config)
+            tuner = _make_tuner(model, steps, init, run, options, reference, log, timeout_s=distributed_timeout_s)
+            return _check(tuner, steps, trial_context, config)
 
         found = _reuse(cache, key, reference, output, log, check)
         if found is not None:
@@ -136,7 +143,9 @@ def tune(
     state_check = _state_check(model, optimizer, steps) if check_state else None
     t0 = time.perf_counter()
     failure: list[str] = []
-    result, switcher = _search(model, steps, init, run, options, reference, trial_context, log, failure)
+    result, switcher = _search(
+        model, steps, init, run, options, reference, trial_context, log, failure, distributed_timeout_s
+    )
     tuned = Tuned(
         result.best if result else TuningConfig(reference, frozenset(), "reference"),
         steps.data.release(),
@@ -153,6 +162,7 @@ def tune(
             result.report["state_check"] = _verdict(state_check, log)
     tuned.recipe = _recipe(tuned.config, active, output, run.tp)  # the search kept to this run's dgrad mode
     _write_outputs(tuned, key, cache, time.perf_counter() - t0, log)
+    TUNED_HERE.add(key.digest())
     _tensorboard(result)
     undecided = result.search.undecided if result is not None else None
     tuned.verification = _verification(
@@ -182,6 +192,7 @@ def _verification(
     own iterations show the gain."""
     import torch
 
+    from megatron_tp_overlap.atomic import signals_deferred
     from megatron_tp_overlap.engine.measure import agree_max
     from megatron_tp_overlap.engine.verify import InRunVerification, fitting, span
 
@@ -211,6 +222,10 @@ def _verification(
                 listener(tuned.recipe)
         if torch.distributed.get_rank() != 0:
             return
+        with signals_deferred():  # a SIGTERM lands after the files: none half-written, none of another config
+            _written(v, changed)
+
+    def _written(v: Any, changed: bool) -> None:
         _update_report(tuned.yaml_path, {"in_run_verification": v.to_dict()}, log)
         if not changed:
             return
@@ -222,9 +237,9 @@ def _verification(
             what = "the starting config" if v.reverted else f"the {v.keep.label} config"
             log(f"{TAG} rewrote {tuned.yaml_path} with {what}; reproduce with: {tuned.recipe.line()}")
         try:
-            cache.put(key, v.keep.ub, v.keep.disabled, {"tuned": {"chosen": chosen}})
+            cache.put(key, v.keep.ub, v.keep.disabled, {"time": time.time(), "tuned": {"chosen": chosen}})
         except OSError as e:
-            log(f"{TAG} WARNING could not update the cache entry: {e}")
+            log(f"{TAG} WARNING could not update the cache entry in {cache.root} ({e.strerror or e})")
 
     if candidate != tuned.config:  # the search's best, ahead but unresolved: it runs first, as a tuned config does
         switcher.apply(candidate)
@@ -259,6 +274,7 @@ def _search(
     trial_context: Callable[[], ContextManager],
     log: Callable[..., None],
     failure: Optional[list[str]] = None,
+    timeout_s: Optional[float] = None,
 ) -> tuple[Any, Any]:
     """The engine's search on Megatron's trial steps, and the switcher that applied its configs; (None, None) when
     every trial failed or the layout cannot be tuned (all ranks agree on that; why goes to ``failure``)."""
@@ -269,7 +285,7 @@ def _search(
     from megatron_tp_overlap.engine.topology import TopologyMismatch
 
     progress = TuningProgress(enabled=torch.distributed.get_rank() == 0)
-    tuner = _make_tuner(model, steps, init, run, options, reference, log, progress.update)
+    tuner = _make_tuner(model, steps, init, run, options, reference, log, progress.update, timeout_s)
     steps.zero()
     signals: list[int] = []
     try:
@@ -309,6 +325,7 @@ def _make_tuner(
     reference: UbConfig,
     log: Callable[..., None],
     progress: Any = None,
+    timeout_s: Optional[float] = None,
 ) -> Any:
     from megatron_tp_overlap.engine.search import SearchOptions
     from megatron_tp_overlap.engine.space import SpaceSpec
@@ -334,6 +351,7 @@ def _make_tuner(
         trial_timeout_s=options.trial_timeout,
         switch_sets=switch_sets(run.rs_dgrad),
         gloo=gloo_groups_enabled(),
+        distributed_timeout_s=timeout_s,
     )
 
 
