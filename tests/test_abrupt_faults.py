@@ -11,7 +11,6 @@ import sys
 import types
 from pathlib import Path
 
-import pytest
 from test_cache import KEY
 
 from megatron_tp_overlap import atomic
