@@ -153,8 +153,9 @@ class Ending:
 
     # --- asking ------------------------------------------------------------------------------------------------
 
-    def lost(self, epoch: int, reason: str) -> None:
-        """This rank's agreement at ``epoch`` cannot complete (``reason``): find out who, end everywhere."""
+    def lost(self, epoch: int, reason: str, inside: bool = True) -> None:
+        """This rank's agreement at ``epoch`` cannot complete (``reason``): find out who, end everywhere.
+        ``inside``: called from the main thread, in the agreement (else the watcher answers for this rank)."""
         if not self._once.acquire(blocking=False):  # the other thread of this rank is ending it
             self.ended.wait()
             return
@@ -165,7 +166,7 @@ class Ending:
                 deadline = time.monotonic() + 2 * self.census_s + 10
                 # polled, not a blocking wait: that would hold the store client the watcher answers through
                 while not self.store.check(["verdict"]):
-                    if self.store.check(["asked"]):  # this thread is inside ``epoch``: its answer, if the watcher's
+                    if inside and self.store.check(["asked"]):  # in ``epoch``: this rank's answer, if the watcher's
                         self.answer(int(self.store.get("asked")), epoch, inside=True)  # is not given (blocked)
                     if time.monotonic() > deadline:  # no verdict came (the asker ended too): what this rank saw
                         return self._conclude(f"the tuning's agreement failed on rank {self.rank}: {reason}")
@@ -174,14 +175,15 @@ class Ending:
             self.store.set("answers", "")
             self.store.set("asked", str(epoch))
             self.post({"census": epoch})
-            line, alive = self._count(epoch, reason)
+            line, alive = self._count(epoch, reason, inside)
         except Exception:  # noqa: BLE001 - the store is gone
             return self._conclude(None, gone=True)
         self._conclude(line, alive)
 
-    def _count(self, epoch: int, reason: str) -> tuple[str, int]:
+    def _count(self, epoch: int, reason: str, inside: bool) -> tuple[str, int]:
         n, deadline = len(self.ranks), time.monotonic() + self.census_s
-        self.answer(epoch, epoch, inside=True)
+        if inside:
+            self.answer(epoch, epoch, inside=True)
         answers: dict[int, str] = {}  # a: at the point, w: in the trial's work (a step), e: elsewhere
         while len(answers) < n and time.monotonic() < deadline:
             time.sleep(0.05)

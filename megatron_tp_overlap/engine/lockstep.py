@@ -248,10 +248,18 @@ class Lockstep:
             return
         self._stop.set()
         self._thread.join()
+        with contextlib.suppress(Exception):  # its leader must not take its exit for a kill (a request per rank)
+            self.store.set(f"{self.prefix}/closed/{self.rank}", "")
         self.relay.close()
         self.transport.close()
 
     # --- the watcher ------------------------------------------------------------------------------------------
+
+    def _closed(self, rank: int) -> bool:
+        try:
+            return bool(self.store.check([f"{self.prefix}/closed/{rank}"]))
+        except Exception:  # noqa: BLE001 - the store is gone: the watcher ends this rank over that
+            return True
 
     def _posted(self, epoch: int) -> str | None:
         """The first failure posted in ``epoch``, as this node's relay saw it (None: none)."""
@@ -279,13 +287,14 @@ class Lockstep:
                 self.ending.answer(state["census"], epoch, at, self._working)
             inside = self._inside
             late = inside is not None and self.bound_s and time.monotonic() - inside[1] > self.bound_s + self.poll_s
-            gone = dead(self._peers)  # a peer on this node killed: found now, not at the bound
+            # a peer on this node killed: found now, not at the bound (one that ended its tuning has left a mark)
+            gone = [r for r in dead(self._peers) if not self._closed(r)]
             if (late or gone) and not asked and not self.ending._once.locked():
                 asked = True
                 # a transport that does not raise at its timeout (NCCL's watchdog ends the process instead), a peer
                 # killed inside a step: the census runs beside this thread, which goes on answering
                 why = f"overdue: waited {self.bound_s:g} s" if late else f"rank {gone[0]}'s process ended"
-                threading.Thread(target=self.ending.lost, args=(epoch, why), daemon=True).start()
+                threading.Thread(target=self.ending.lost, args=(epoch, why, False), daemon=True).start()
             if state.get("gone"):  # the store's host has ended: the job is over
                 if not self._stop.is_set():
                     self.ending.gone()
