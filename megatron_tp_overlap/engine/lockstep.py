@@ -29,8 +29,9 @@ that the node's ranks read (:data:`POLL_S`, no network). Then the watcher thread
 
 Faults that do not raise (a rank killed or hanging, the store gone) end the job so too, naming who (``engine.ending``).
 
-Store traffic: a few requests per rank when a tuning starts (the groups' rendezvous, one host check), then none per
-rank: per failure two from the failed rank and two per node, and one wait per node in flight.
+Store traffic: a few requests per rank when a tuning starts (the groups' rendezvous, one host check, its pid; a
+block leader reads its peers'), one when it ends, none per rank between: per failure two from the failed rank and two
+per node, one wait per node in flight; a census (``engine.ending``) one per rank.
 """
 
 from __future__ import annotations

@@ -162,6 +162,9 @@ def tune(
             result.report["state_check"] = _verdict(state_check, log)
     tuned.recipe = _recipe(tuned.config, active, output, run.tp)  # the search kept to this run's dgrad mode
     _write_outputs(tuned, key, cache, time.perf_counter() - t0, log)
+    written = [tuned.yaml_written]  # rank 0's disk decides for every rank's config (Bridge names the YAML)
+    torch.distributed.broadcast_object_list(written, src=0)
+    tuned.yaml_written = written[0]
     TUNED_HERE.add(key.digest())
     _tensorboard(result)
     undecided = result.search.undecided if result is not None else None
