@@ -125,7 +125,9 @@ class Lockstep:
         # only the members create it (a TP group's tuning must not wait for the other TP groups); every rank creates
         # its Lockstep objects in the same order, so the same name
         groups = dist.PrefixStore(f"tp-overlap-autotune/agree{next(_instances)}/{self.ranks[0]}/", self.store)
-        timeout = datetime.timedelta(seconds=bound_s) if bound_s else TIMEOUT
+        # the watcher holds agreements to ``bound_s``; the groups' own timeout also bounds their creation, which a
+        # loaded host may take seconds over
+        timeout = datetime.timedelta(seconds=max(bound_s, 60.0)) if bound_s else TIMEOUT
         if gloo and transport == "tree":
             self.transport: Any = TreeTransport(self.ranks, self.rank, groups, local, fanout, timeout)
         else:
