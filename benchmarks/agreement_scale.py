@@ -325,7 +325,7 @@ def fault(args: argparse.Namespace) -> None:
         ]
         res["ranks_with_one_end_line"] = sum(len(ls) == 1 for ls in lines)
         res["distinct_causes"] = sorted(
-            {ls[0].split("tuning failed on ")[1].split(", and this")[0] for ls in lines if ls}
+            {ls[0].split("tuning failed on ")[1].split(", and the ranks")[0] for ls in lines if ls}
         )
         res["json_written"] = len(list(out.glob("fault_midstep_r*.json")))
     res["wall_s"] = round(wall, 1)

@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 from filelock import FileLock
 
-from megatron_tp_overlap.atomic import atomic_write_text
+from megatron_tp_overlap.atomic import _umask, atomic_write_text
 from megatron_tp_overlap.errors import ConfigError
 from megatron_tp_overlap.ub.config import UbConfig, dumps_yaml, loads_yaml
 
@@ -81,14 +81,29 @@ class TunedConfigCache:
 
     def _lock(self) -> FileLock:
         self.root.mkdir(parents=True, exist_ok=True)
-        return FileLock(str(self.root / ".lock"), timeout=120)
+        # the umask's mode, not filelock's 0644: a cache shared by a group is locked by each of its accounts
+        return FileLock(str(self.root / ".lock"), timeout=120, mode=0o666 & ~_umask())
 
     def get(self, key: TuningKey) -> CachedConfig | None:
-        """The cached config for ``key``, or None (missing, corrupt, or written for another key)."""
-        yaml_path, meta_path = self._paths(key)
+        """The cached config for ``key``, or None (missing, corrupt, or written for another key). A cache this
+        account may read but not lock (another account's folder or lock file, a read-only mount) is read without
+        the lock: the YAML's digest in its metadata tells a torn pair (a writer in between) from a whole one."""
+        yaml_path, _ = self._paths(key)
         if not yaml_path.exists():
             return None
-        with self._lock():
+        try:
+            lock = self._lock()
+            lock.acquire()
+        except OSError:  # PermissionError, EROFS: readers need no lock
+            return self._read(key, retry=True)
+        try:
+            return self._read(key)
+        finally:
+            lock.release()
+
+    def _read(self, key: TuningKey, retry: bool = False) -> CachedConfig | None:
+        yaml_path, meta_path = self._paths(key)
+        for last in (False, True) if retry else (True,):
             try:
                 meta = json.loads(meta_path.read_text())
                 if meta.get("key") != key.record():
@@ -98,8 +113,11 @@ class TunedConfigCache:
                     raise ValueError("the YAML does not match its metadata")
                 return CachedConfig(ub, frozenset(meta.get("overlap_off", [])), meta)
             except (OSError, ValueError, ConfigError) as e:
-                warnings.warn(f"ignoring corrupt tuned-config cache entry {yaml_path}: {e}", stacklevel=2)
-                return None
+                if isinstance(e, PermissionError):  # another account's entry: not corrupt, the caller says so
+                    raise
+                if last:
+                    warnings.warn(f"ignoring corrupt tuned-config cache entry {yaml_path}: {e}", stacklevel=3)
+        return None
 
     def put(
         self, key: TuningKey, ub: UbConfig, disabled: frozenset[str] = frozenset(), meta: dict[str, Any] | None = None

@@ -27,8 +27,11 @@ that the node's ranks read (:data:`POLL_S`, no network). Then the watcher thread
    with :data:`EXIT_CODE`: the step's collectives cannot complete, and waiting would only hang the job until
    NCCL's timeout. Nothing has been written by then (results are written after tuning).
 
-Store traffic: a few requests per rank when a tuning starts (the groups' rendezvous, one host check), then none per
-rank: per failure two from the failed rank and two per node, and one wait per node in flight.
+Faults that do not raise (a rank killed or hanging, the store gone) end the job so too, naming who (``engine.ending``).
+
+Store traffic: a few requests per rank when a tuning starts (the groups' rendezvous, one host check, its pid; a
+block leader reads its peers'), one when it ends, none per rank between: per failure two from the failed rank and two
+per node, one wait per node in flight; a census (``engine.ending``) one per rank.
 """
 
 from __future__ import annotations
@@ -36,35 +39,32 @@ from __future__ import annotations
 import contextlib
 import datetime
 import itertools
-import json
 import os
 import socket
-import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 from megatron_tp_overlap.engine.agreement import (
     CAPACITY,
     FANOUT,
     NO_FAILURE,
+    TIMEOUT,
     CollectiveTransport,
     Message,
     TreeTransport,
     default_local_size,
     failure_key,
 )
+from megatron_tp_overlap.engine.ending import CENSUS_S, Ending, dead, local_peers, start_time
+from megatron_tp_overlap.engine.ending import EXIT_CODE as EXIT_CODE  # noqa: F401 - where callers look
+from megatron_tp_overlap.engine.relay import Relay, _marker_dir
 
-EXIT_CODE = 70  # os.EX_SOFTWARE: an internal error ended the job (a rank failed inside collectives)
 # How long a rank that is not blocked may take to reach the next agreement after a peer failed: one step at most.
 # Far above any tuned step, far below NCCL's timeout (Megatron: 10 min).
 GRACE_S = 60.0
 POLL_S = 0.1  # the watcher reads its node's failure file this often (a local stat: no network, no store)
-WAIT_S = 3600.0  # the relay's store wait is posted again after this (a timeout logs a c10d warning: keep it rare)
-CLOSED = "closed"  # the relay's last message: the tuning is over
 # Beyond this many ranks a trial agrees after its switch and at its end only, not between its steps: at 16,000 ranks
 # the checks between steps would be ~45% of the agreements (the heaviest recorded tuning: 308 steps in 118 trials),
 # and a rank failing between two steps (rare: failures happen inside steps) ends the job as one failing inside a step
@@ -81,101 +81,13 @@ class PeerFailed(RuntimeError):
     values: list[float] = []
 
 
-def _marker_dir() -> Path:
-    shm = Path("/dev/shm")  # node-local memory: the ranks of one node see it, nothing else does
-    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
-
-
-class Relay:
-    """A failure posted in the store reaches every rank of a node through one waiter per node and a local file.
-
-    The file holds the first failure of the latest epoch that had one (``{"epoch", "why"}``) and ``"gone": true``
-    once the store's host (rank 0) has ended."""
-
-    def __init__(self, store: Any, prefix: str, path: Path, waiter: bool, closer: bool) -> None:
-        self.store, self.prefix, self.path, self.waiter, self.closer = store, prefix, path, waiter, closer
-        self.requests = 0  # store requests this rank made (the harness counts them)
-        self._stop = threading.Event()
-        self._seen: tuple[int, int] | None = None
-        self._cached: dict[str, Any] | None = None
-        self._thread: threading.Thread | None = None
-        if waiter:
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
-            self._thread = threading.Thread(target=self._wait, name="tp-overlap-relay", daemon=True)
-            self._thread.start()
-
-    def post(self, epoch: int, why: str) -> int:
-        """Announce a failure in ``epoch``; returns its order (1 = the first of this tuning)."""
-        n = int(self.store.add(f"{self.prefix}/alarms", 1))
-        self.store.set(f"{self.prefix}/alarm/{n}", json.dumps({"epoch": epoch, "why": why}))
-        self.requests += 2
-        return n
-
-    def read(self) -> dict[str, Any] | None:
-        """What the node's file says (cached until the file changes)."""
-        try:
-            st = self.path.stat()
-        except FileNotFoundError:
-            return None
-        if self._seen != (st.st_mtime_ns, st.st_size):
-            try:
-                self._cached = json.loads(self.path.read_text())
-                self._seen = (st.st_mtime_ns, st.st_size)
-            except (OSError, ValueError):  # replaced while reading: read it next time
-                return self._cached
-        return self._cached
-
-    def _write(self, state: dict[str, Any]) -> None:
-        tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(state))
-        os.replace(tmp, self.path)  # readers see the old file or the new one, never half of one
-
-    def _wait(self) -> None:
-        try:
-            store = self.store.clone()  # its own connection: a wait must not hold the training's store client
-        except Exception:  # noqa: BLE001 - a store without clone(): wait on the shared one
-            store = self.store
-        state: dict[str, Any] = {}
-        k = 1
-        while not self._stop.is_set():
-            key = f"{self.prefix}/alarm/{k}"
-            try:
-                store.wait([key], datetime.timedelta(seconds=WAIT_S))
-                msg = store.get(key).decode()
-                self.requests += 2
-            except Exception as e:  # noqa: BLE001 - a timeout (wait again), or the store's host has ended
-                if "timeout" in str(e).lower() or "timed out" in str(e).lower():
-                    continue
-                if not self._stop.is_set():
-                    self._write({**state, "gone": True})
-                return
-            if msg == CLOSED:
-                return
-            alarm = json.loads(msg)
-            if state.get("epoch") != alarm["epoch"]:  # the first failure of an epoch is its cause
-                state = {"epoch": alarm["epoch"], "why": alarm["why"]}
-                self._write(state)
-            k += 1
-
-    def close(self) -> None:
-        self._stop.set()
-        if self.closer:  # wakes every node's waiter (they would otherwise wait out WAIT_S)
-            with contextlib.suppress(Exception):
-                n = int(self.store.add(f"{self.prefix}/alarms", 1))
-                self.store.set(f"{self.prefix}/alarm/{n}", CLOSED)
-                self.requests += 2
-        if self._thread is not None:
-            self._thread.join(timeout=5.0)
-            with contextlib.suppress(FileNotFoundError):
-                self.path.unlink()
-
-
 class Lockstep:
     """The agreements of one tuning over ``group`` (default: world). A no-op outside ``torch.distributed``.
 
     ``gloo=False``: no gloo group (one NCCL all-reduce per agreement); ``transport="collective"`` forces that design
-    over gloo (tests). ``local_size`` / ``fanout``: the tree's blocks and branching (module docstring)."""
+    over gloo (tests). ``local_size`` / ``fanout``: the tree's blocks and branching (module docstring). ``bound_s``:
+    the longest wait at an agreement point (``engine.ending.bound_s``; None: gloo's 30 minutes), described by
+    ``bound_text``; ``census_s``: how long a census waits for answers (``engine.ending``)."""
 
     def __init__(
         self,
@@ -188,10 +100,15 @@ class Lockstep:
         transport: str = "tree",
         local_size: int | None = None,
         fanout: int = FANOUT,
+        bound_s: float | None = None,
+        bound_text: str = "",
+        census_s: float = CENSUS_S,
     ) -> None:
         import torch.distributed as dist
 
         self.grace_s, self.poll_s, self._exit = grace_s, poll_s, exit
+        self.bound_s = bound_s
+        self._inside: tuple[int, float] | None = None  # (epoch, since) while the main thread is in an agreement
         self.epoch = 0  # agreement points passed; the same count on every rank
         self.failure = ""  # the last agreed failure: "rank R: Error: message"
         self.seconds = 0.0  # spent in agreements on this rank
@@ -208,10 +125,13 @@ class Lockstep:
         # only the members create it (a TP group's tuning must not wait for the other TP groups); every rank creates
         # its Lockstep objects in the same order, so the same name
         groups = dist.PrefixStore(f"tp-overlap-autotune/agree{next(_instances)}/{self.ranks[0]}/", self.store)
+        # the watcher holds agreements to ``bound_s``; the groups' own timeout also bounds their creation, which a
+        # loaded host may take seconds over
+        timeout = datetime.timedelta(seconds=max(bound_s, 60.0)) if bound_s else TIMEOUT
         if gloo and transport == "tree":
-            self.transport: Any = TreeTransport(self.ranks, self.rank, groups, local, fanout)
+            self.transport: Any = TreeTransport(self.ranks, self.rank, groups, local, fanout, timeout)
         else:
-            self.transport = CollectiveTransport(self.ranks, self.rank, groups, "gloo" if gloo else "nccl")
+            self.transport = CollectiveTransport(self.ranks, self.rank, groups, "gloo" if gloo else "nccl", timeout)
         # one random number agreed: names this tuning's keys and node files apart from any other job's or tuning's
         # (os.urandom: Python's global RNG is the run's, and tuning leaves the run's RNG states as they were)
         tag = int(self.transport.agree(Message([int.from_bytes(os.urandom(6), "big")])).values()[0])
@@ -219,12 +139,21 @@ class Lockstep:
         me = self.ranks.index(self.rank)
         leader, host = self.ranks[me - me % local], socket.gethostname()
         self.store.set(f"{self.prefix}/host/{self.rank}", host)
+        self.store.multi_set(
+            [f"{self.prefix}/{k}/{self.rank}" for k in ("pid", "start")], [str(os.getpid()), start_time()]
+        )
         # a rank not on its block leader's host relays for itself (a layout that does not put blocks on nodes)
         same = leader == self.rank or self.store.get(f"{self.prefix}/host/{leader}").decode() == host
         relay = leader if same else self.rank
         path = _marker_dir() / f"tp-overlap-{tag:x}-{relay}"
         self.relay = Relay(self.store, self.prefix, path, waiter=relay == self.rank, closer=me == 0)
         self.relay.requests += 1 if leader == self.rank else 2
+        text = bound_text or f"{bound_s or TIMEOUT.total_seconds():g} s"
+        self.ending = Ending.create(self.store, self.prefix, self.rank, self.ranks, host, exit, self.relay.post_raw)
+        self.ending.bound_text, self.ending.census_s = text, max(census_s, len(self.ranks) / 2000)
+        block = [self.ranks[q] for q in self.transport.place.block] if hasattr(self.transport, "place") else []
+        self._peers = local_peers(self.store, self.prefix, block[1:], host) if leader == self.rank else {}
+        self._working = False  # inside attempt's work (a switch, a step): for a census's answer
         self._thread = threading.Thread(target=self._watch, name="tp-overlap-lockstep", daemon=True)
         self._thread.start()
 
@@ -255,18 +184,27 @@ class Lockstep:
                 e.values = [float(v) for v in values]
                 raise e
             return [float(v) for v in values]
-        key = failure_key(self.relay.post(self.epoch, f"rank {self.rank}: {why}"), self.rank) if failed else NO_FAILURE
+        try:  # the store gone (its host ended) ends this rank here
+            key = (
+                failure_key(self.relay.post(self.epoch, f"rank {self.rank}: {why}"), self.rank)
+                if failed
+                else NO_FAILURE
+            )
+        except Exception:
+            self.ending.gone()
+            raise
         out: list[float] = []
         for i in range(0, max(1, len(values)), CAPACITY):  # a failed rank brings one message: the others raise at it
             msg = Message(values[i : i + CAPACITY], key, f"rank {self.rank}: {why}" if failed else "")
             t0 = time.perf_counter()
+            self._inside = (self.epoch, time.monotonic())
             try:
                 res = self.transport.agree(msg)
-            except Exception:
-                if failed or self._posted(self.epoch):  # a peer ended the job over this failure first
-                    self._end(self.epoch)
+            except Exception as e:  # a peer ended the job (its line stands), closed its connection or did not come
+                self.ending.lost(self.epoch, f"{type(e).__name__}: {e}")  # (the census names who)
                 raise
             finally:
+                self._inside = None
                 self.seconds += time.perf_counter() - t0
             self.epoch += 1
             self.hops = res.hops
@@ -281,7 +219,11 @@ class Lockstep:
     def attempt(self, fn: Callable[[], Any], log: Callable[[str], Any] = lambda s: None) -> bool:
         """Run ``fn``, then an agreement point. True while every rank is fine; False on every rank when any failed."""
         try:
-            fn()
+            self._working = True
+            try:
+                fn()
+            finally:
+                self._working = False
             self.check()
             return True
         except PeerFailed as e:  # agreed inside fn or just now: the same on every rank
@@ -309,10 +251,18 @@ class Lockstep:
             return
         self._stop.set()
         self._thread.join()
+        with contextlib.suppress(Exception):  # its leader must not take its exit for a kill (a request per rank)
+            self.store.set(f"{self.prefix}/closed/{self.rank}", "")
         self.relay.close()
         self.transport.close()
 
     # --- the watcher ------------------------------------------------------------------------------------------
+
+    def _closed(self, rank: int) -> bool:
+        try:
+            return bool(self.store.check([f"{self.prefix}/closed/{rank}"]))
+        except Exception:  # noqa: BLE001 - the store is gone: the watcher ends this rank over that
+            return True
 
     def _posted(self, epoch: int) -> str | None:
         """The first failure posted in ``epoch``, as this node's relay saw it (None: none)."""
@@ -321,26 +271,36 @@ class Lockstep:
 
     def _end(self, epoch: int) -> None:
         """The same line on every rank, then the end of this process (see the module docstring)."""
-        print(
-            f"[tp-overlap-autotune] rank {self.rank}: ending the job: tuning failed on {self._posted(epoch) or 'a rank'}"
-            ", and this rank cannot go on: a rank is blocked in a collective the failed rank will not join (inside "
-            "the step), which cannot complete. Nothing was written; rerun without autotuning, or report this with "
-            "the log.",
-            file=sys.stderr,
-            flush=True,
+        self.ending.end(
+            f"tuning failed on {self._posted(epoch) or 'a rank'}, and the ranks cannot go on: a rank is blocked in a "
+            "collective the failed rank will not join (inside the step), which cannot complete"
         )
-        sys.stdout.flush()
-        self._exit(EXIT_CODE)
 
     def _watch(self) -> None:
         seen: tuple[int, float] | None = None  # (epoch, when this rank first saw a failure posted in it)
-        recovered = False
+        recovered = asked = False
         while not self._stop.wait(self.poll_s):
             epoch = self.epoch
             state = self.relay.read() or {}
-            if state.get("gone"):  # the store's host (rank 0) has ended: the job is over
+            if state.get("verdict") and not self._stop.is_set():  # a line agreed (engine.ending): end with it
+                self.ending.end(state["verdict"])
+                return
+            if "census" in state:  # answered once per census, from here: the main thread may be blocked
+                at = self._inside is not None and self._inside[0] == epoch
+                self.ending.answer(state["census"], epoch, at, self._working)
+            inside = self._inside
+            late = inside is not None and self.bound_s and time.monotonic() - inside[1] > self.bound_s + self.poll_s
+            # a peer on this node killed: found now, not at the bound (one that ended its tuning has left a mark)
+            gone = [r for r in dead(self._peers) if not self._closed(r)]
+            if (late or gone) and not asked and not self.ending._once.locked():
+                asked = True
+                # a transport that does not raise at its timeout (NCCL's watchdog ends the process instead), a peer
+                # killed inside a step: the census runs beside this thread, which goes on answering
+                why = f"overdue: waited {self.bound_s:g} s" if late else f"rank {gone[0]}'s process ended"
+                threading.Thread(target=self.ending.lost, args=(epoch, why, False), daemon=True).start()
+            if state.get("gone"):  # the store's host has ended: the job is over
                 if not self._stop.is_set():
-                    self._end(epoch)
+                    self.ending.gone()
                 return
             if state.get("epoch") != epoch:
                 seen = None

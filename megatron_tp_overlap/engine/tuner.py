@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
+from megatron_tp_overlap.engine import ending, heap
 from megatron_tp_overlap.engine import faults as fault_injection
-from megatron_tp_overlap.engine import heap
 from megatron_tp_overlap.engine.faults import InjectedFault
 from megatron_tp_overlap.engine.faults import from_env as faults_from_env
 from megatron_tp_overlap.engine.guard import NumericsGuard
@@ -106,6 +106,7 @@ class Autotuner(NumericsGuard):
     faults: list = field(default_factory=lambda: faults_from_env())  # reliability tests only
     peer_grace_s: float = GRACE_S  # a rank blocked by a peer's failure ends the job after this (engine.lockstep)
     gloo: bool = True  # False: the ranks agree without any gloo group (Megatron's --disable-gloo-process-groups)
+    distributed_timeout_s: float | None = None  # the run's own (Megatron's --distributed-timeout-minutes)
     gemms: set[str] | None = None  # tune only these GEMMs (others keep the reference's setting)
     clock: Callable[[], float] = time.perf_counter  # wall clock, s (tests drive a synthetic one)
     sleep: Callable[[float], None] = time.sleep
@@ -290,7 +291,9 @@ class Autotuner(NumericsGuard):
     def agreeing(self) -> Iterator[None]:
         """The ranks' agreements (engine.lockstep) for trials and numerics checks run inside this block:
         :meth:`tune` opens it; open it around a lone :meth:`verify`."""
-        self.lockstep = Lockstep(self.group, grace_s=self.peer_grace_s, gloo=self.gloo)
+        bound = ending.bound_s(self.trial_timeout_s, self.distributed_timeout_s)
+        text = ending.bound_text(bound, self.trial_timeout_s, self.distributed_timeout_s)
+        self.lockstep = Lockstep(self.group, grace_s=self.peer_grace_s, gloo=self.gloo, bound_s=bound, bound_text=text)
         # bootstrap collectives take ms; half the grace leaves the watcher's wait after its recovery to spare
         self.switcher.bootstrap_timeout_s = self.peer_grace_s / 2
         self.switcher.barrier_after_destroy = self.lockstep.step_checks

@@ -28,7 +28,7 @@ from megatron.bridge.training.comm_overlap import CommOverlapConfig
 from megatron_tp_overlap.engine.options import PREFIX, TuneOptions, option_fields
 from megatron_tp_overlap.integrations.megatron.flags import default_output, follow_fields, output_problems
 from megatron_tp_overlap.integrations.megatron.graphs import Capture
-from megatron_tp_overlap.integrations.megatron.launcher import guarded_compile_helpers, verifying
+from megatron_tp_overlap.integrations.megatron.launcher import _minutes, guarded_compile_helpers, verifying
 from megatron_tp_overlap.integrations.megatron.recompute import Recompute
 from megatron_tp_overlap.integrations.megatron.run_shape import RunShape
 from megatron_tp_overlap.ub.layer_cfg import reference_config
@@ -114,8 +114,10 @@ def tune_before_training(
         capture=Capture.of(state.cfg.model, getattr(state.cfg.train, "iterations_to_skip", None) or (), bridge=True),
         recompute=Recompute.of(state.cfg.model),
         reference_name=preset_named_in(getattr(state.cfg.model, "tp_comm_overlap_cfg", None)),
+        distributed_timeout_s=_minutes(getattr(getattr(state.cfg, "dist", None), "distributed_timeout_minutes", None)),
     )
-    state.cfg.model.tp_comm_overlap_cfg = str(out)  # what the rest of the run (and a saved config) uses
+    if getattr(tuned, "yaml_written", True):  # else the starting YAML stays: a saved config must name a file
+        state.cfg.model.tp_comm_overlap_cfg = str(out)  # what the rest of the run (and a saved config) uses
     follow = follow_recipe(tuned, run.tp, state.cfg.model, overlap)
     follow(getattr(tuned, "recipe", None))
     if hasattr(tuned, "on_recipe"):

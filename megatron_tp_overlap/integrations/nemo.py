@@ -177,6 +177,8 @@ class AutotuneCommOverlapCallback(MegatronCommOverlapCallback):
             self.output_path(trainer),
             remaining_iters=_remaining_iters(trainer),
             reference_name=preset_named_in(self.tp_comm_overlap_cfg),
+            # Lightning's process-group timeout (MegatronStrategy(timeout=...)): no agreement waits longer
+            distributed_timeout_s=getattr(getattr(trainer.strategy, "_timeout", None), "total_seconds", lambda: None)(),
         )
         follow = self.follow_recipe(mp, run.tp)
         follow(getattr(self.tuned, "recipe", None))

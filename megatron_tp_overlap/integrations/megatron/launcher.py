@@ -163,6 +163,7 @@ def _train_after_tuning(original_train: Callable) -> Callable:
                 remaining_iters=args.train_iters - (getattr(args, "iteration", 0) or 0) if args.train_iters else None,
                 capture=Capture.of(args, getattr(args, "iterations_to_skip", None) or ()),  # CUDA graphs, if any
                 recompute=Recompute.of(args),
+                distributed_timeout_s=_minutes(getattr(args, "distributed_timeout_minutes", None)),
             )
             train_data_iterator, verification = hand_over(tuned), tuned.verification
         with verifying(mtraining, "train_step", verification):
@@ -171,6 +172,11 @@ def _train_after_tuning(original_train: Callable) -> Callable:
             )
 
     return train
+
+
+def _minutes(m: Any) -> Optional[float]:
+    """Seconds of a ``*_timeout_minutes`` setting (Megatron-LM's, Megatron-Bridge's), None where unset."""
+    return float(m) * 60 if isinstance(m, (int, float)) and m > 0 else None
 
 
 @contextlib.contextmanager

@@ -57,7 +57,12 @@ def _write_recipe(yaml_path: Path, r: Recipe, log: Callable) -> None:
     try:
         atomic_write_text(recipe_path(yaml_path), "\n".join(lines) + "\n")
     except OSError as e:
-        log(f"{TAG} WARNING could not write {recipe_path(yaml_path)} ({e}); the recipe is: {r.line()}")
+        log(f"{TAG} WARNING could not write {recipe_path(yaml_path)} ({_why(e)}); the recipe is: {r.line()}")
+
+
+def _why(e: OSError) -> str:
+    """An OSError without its path (the line names the path): ``No space left on device``."""
+    return e.strerror or str(e)
 
 
 def _key_meta(key: Any) -> dict[str, Any]:
@@ -76,7 +81,7 @@ def _update_report(yaml_path: Path, extra: dict[str, Any], log: Callable) -> Non
         report = json.loads(path.read_text()) if path.exists() else {}
         write_report(path, {**report, **extra})
     except (OSError, ValueError) as e:
-        log(f"{TAG} WARNING could not update {path}: {e}")
+        log(f"{TAG} WARNING could not update {path} ({_why(e) if isinstance(e, OSError) else e})")
 
 
 def _write_yaml(path: Path, config: TuningConfig, meta: dict[str, Any], log: Callable[..., None]) -> bool:
@@ -88,22 +93,34 @@ def _write_yaml(path: Path, config: TuningConfig, meta: dict[str, Any], log: Cal
     try:
         atomic_write_text(path, text, backup=True)
         return True
-    except OSError as e:  # the run keeps training with the tuned config; the log keeps the YAML
-        log(f"{TAG} WARNING could not write {path} ({e}); the tuned config is:\n{text}")
+    except OSError as e:  # a full or read-only disk: the run keeps training with the config live in memory
+        log(
+            f"{TAG} WARNING could not write {path} ({_why(e)}): it is as it was; this run trains on with the "
+            f"{config.label} config in memory: {config.describe()}"
+        )
         return False
 
 
 def _write_outputs(tuned: Tuned, key: Any, cache: Any, wall_s: float, log: Callable[..., None]) -> None:
-    """Rank 0: the YAML, the report beside it, the cache entry (each atomic; a failure is logged, not fatal)."""
-    import datetime
-    from dataclasses import asdict
-
+    """Rank 0: the YAML, the report beside it, the cache entry (each atomic; a failure is one line naming the path,
+    not fatal); a SIGTERM meanwhile lands after the last of them (``atomic.signals_deferred``)."""
     import torch
 
-    from megatron_tp_overlap.engine.report import write_report
+    from megatron_tp_overlap.atomic import signals_deferred
 
     if torch.distributed.get_rank() != 0:
         return
+    with signals_deferred():
+        tuned.yaml_written = _write_all(tuned, key, cache, wall_s, log)
+
+
+def _write_all(tuned: Tuned, key: Any, cache: Any, wall_s: float, log: Callable[..., None]) -> bool:
+    import datetime
+    import time
+    from dataclasses import asdict
+
+    from megatron_tp_overlap.engine.report import write_report
+
     res, out = tuned.result, tuned.yaml_path
     meta = {**asdict(key), "wall_s": round(wall_s, 2), "chosen": tuned.config.label}
     ok = _write_yaml(out, tuned.config, meta, log)
@@ -121,20 +138,28 @@ def _write_outputs(tuned: Tuned, key: Any, cache: Any, wall_s: float, log: Calla
             }
             | ({"starting_config": tuned.starting_config} if tuned.starting_config else {}),
         )
-        if res is not None:
+    except OSError as e:
+        log(f"{TAG} WARNING could not write {out.with_suffix('.report.json')} ({_why(e)}); the summary is in the log")
+    if res is not None:
+        try:
             cache.put(
                 key,
                 tuned.config.ub,
                 tuned.config.disabled,
-                {"date": datetime.date.today().isoformat(), "tuned": {"chosen": tuned.config.label}},
+                {
+                    "date": datetime.date.today().isoformat(),
+                    "time": time.time(),  # a relaunch reuses it (integrations.megatron.reuse)
+                    "tuned": {"chosen": tuned.config.label},
+                },
             )
-    except OSError as e:
-        log(f"{TAG} WARNING could not write the report or the cache entry: {e}")
+        except OSError as e:
+            log(f"{TAG} WARNING could not write the cache entry in {cache.root} ({_why(e)}): a later run tunes again")
     if ok:
         _write_recipe(out, tuned.recipe, log)
         log(f"{TAG} wrote {out} ({tuned.config.label}; {wall_s:.1f} s); reproduce with: {tuned.recipe.line()}")
         if tuned.recipe.problem:
             log(f"{TAG} WARNING the tuned config cannot be fully reproduced from flags: {tuned.recipe.problem}")
+    return ok
 
 
 def failed_report(notes: list[str], wall_s: float) -> dict[str, Any]:

@@ -3,6 +3,7 @@ config must pass the numerics check in this run before it is applied."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager as ContextManager
 from pathlib import Path
@@ -16,6 +17,8 @@ if TYPE_CHECKING:
     from megatron_tp_overlap.integrations.megatron.steps import MegatronSteps
 
 TAG = "[tp-overlap-autotune]"
+RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"
+TUNED_HERE: set[str] = set()  # digests of the keys tuned in this process
 
 
 def _reuse(
@@ -26,7 +29,7 @@ def _reuse(
     check (the starting config is live again)."""
     import torch
 
-    found = [cache.get(key) if torch.distributed.get_rank() == 0 else None]
+    found = [_get(cache, key, log) if torch.distributed.get_rank() == 0 else None]
     torch.distributed.broadcast_object_list(found, src=0)
     if found[0] is None:
         return None
@@ -46,6 +49,28 @@ def _reuse(
         f"({cache.root}), numerics checked in this run: tuning skipped; wrote {output}"
     )
     return config, switcher
+
+
+def _get(cache: Any, key: Any, log: Callable[..., None]) -> Any:
+    """Rank 0's read of the cache, which never raises: the other ranks wait for its answer in a broadcast."""
+    try:
+        found = cache.get(key)
+    except OSError as e:  # another account's cache this one may not read, a broken mount
+        log(f"{TAG} WARNING cannot read the tuned-config cache {cache.root} ({e.strerror or e}): tuning")
+        return None
+    if found is None:
+        log(f"{TAG} no config tuned before for this GPU, shape, dtype and TE version in {cache.root}: tuning")
+    return found
+
+
+def relaunched(digest: str) -> str | None:
+    """Why this launch follows one that tuned the same shape (then it reuses), or None: torchrun and the
+    fault-tolerance launcher of nvidia-resiliency-ext count relaunches in ``TORCHELASTIC_RESTART_COUNT``; an
+    in-process restart (nvidia-resiliency-ext's ``inprocess``) calls tuning again in the same process."""
+    n = os.environ.get(RESTART_ENV, "")
+    if n.isdigit() and int(n) > 0:
+        return f"relaunched ({RESTART_ENV}={n})"
+    return "restarted in this process" if digest in TUNED_HERE else None
 
 
 def _check(

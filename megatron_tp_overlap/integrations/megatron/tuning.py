@@ -20,6 +20,7 @@ from typing import Any, Optional
 from megatron_tp_overlap.engine.options import TuneOptions
 from megatron_tp_overlap.engine.space import TuningConfig
 from megatron_tp_overlap.integrations.megatron.flags import Recipe, switch_sets
+from megatron_tp_overlap.integrations.megatron.in_run import TAG, _verification  # noqa: F401 - tests reach it here
 from megatron_tp_overlap.integrations.megatron.outputs import (  # noqa: F401 - tests and tools reach them here
     _active,
     _key_meta,
@@ -34,12 +35,10 @@ from megatron_tp_overlap.integrations.megatron.outputs import (  # noqa: F401 - 
     failed_report,
     recipe_path,
 )
-from megatron_tp_overlap.integrations.megatron.reuse import _check, _reuse  # noqa: F401
+from megatron_tp_overlap.integrations.megatron.reuse import TUNED_HERE, _check, _reuse, relaunched  # noqa: F401
 from megatron_tp_overlap.integrations.megatron.run_shape import RunShape
 from megatron_tp_overlap.integrations.megatron.steps import MegatronSteps, trial_microbatches  # noqa: F401
 from megatron_tp_overlap.ub.config import UbConfig
-
-TAG = "[tp-overlap-autotune]"
 
 
 @dataclass
@@ -58,6 +57,7 @@ class Tuned:
     coverage: dict = field(default_factory=dict)  # engine.coverage.Coverage.to_dict(): what runs with userbuffers
     on_recipe: list[Callable[[Recipe], Any]] = field(default_factory=list)  # told when the recipe changes (every rank)
     starting_config: Optional[dict] = None  # the NeMo preset(s) the starting config is, what for (report field)
+    yaml_written: bool = True  # False: the disk refused the YAML (rank 0); the config is live in memory only
 
 
 def hand_over(tuned: Any) -> Any:
@@ -85,6 +85,7 @@ def tune(
     capture: Any = None,
     recompute: Any = None,
     reference_name: Optional[str] = None,
+    distributed_timeout_s: Optional[float] = None,
 ) -> Tuned:
     """Tune the userbuffers config of the live ``model`` (Megatron's model chunks, userbuffers initialized with
     ``reference``) before the first iteration; the chosen config is left applied and written to ``output``
@@ -95,8 +96,10 @@ def tune(
     training state untouched (slow; for tests and benchmarks). ``remaining_iters``: training iterations the run
     has left (None: unknown); the in-run verification is shortened to end within them. ``capture``: when the run
     captures CUDA graphs (:class:`~integrations.megatron.graphs.Capture`); the verification ends before it.
-    ``recompute``: the run's :class:`~integrations.megatron.recompute.Recompute` (for the coverage line). ``reference_name``: the
-    preset ``reference`` was written from, when known (else it is recognised by content).
+    ``recompute``: the run's :class:`~integrations.megatron.recompute.Recompute` (for the coverage line).
+    ``reference_name``: the preset ``reference`` was written from, when known (else it is recognised by content).
+    ``distributed_timeout_s``: the run's own (Megatron's ``--distributed-timeout-minutes``): no agreement of the
+    tuning waits longer.
     """
     import torch
     import transformer_engine
@@ -126,10 +129,14 @@ def tune(
     cache = TunedConfigCache(options.cache_dir)
     init = run.init_args()
     steps = MegatronSteps(model, forward_step_func, optimizer, data_iterator, run, options.microbatches)
-    if options.reuse:
+    again = relaunched(key.digest())
+    if again and not options.reuse:
+        log(f"{TAG} {again}: reusing the config tuned for this shape before, after its numerics check in this run")
+    if options.reuse or again:
 
         def check(config: TuningConfig) -> tuple[str | None, Any]:
-            return _check(_make_tuner(model, steps, init, run, options, reference, log), steps, trial_context, config)
+            tuner = _make_tuner(model, steps, init, run, options, reference, log, timeout_s=distributed_timeout_s)
+            return _check(tuner, steps, trial_context, config)
 
         found = _reuse(cache, key, reference, output, log, check)
         if found is not None:
@@ -153,7 +160,9 @@ def tune(
     state_check = _state_check(model, optimizer, steps) if check_state else None
     t0 = time.perf_counter()
     failure: list[str] = []
-    result, switcher = _search(model, steps, init, run, options, reference, trial_context, log, failure)
+    result, switcher = _search(
+        model, steps, init, run, options, reference, trial_context, log, failure, distributed_timeout_s
+    )
     tuned = Tuned(
         result.best if result else TuningConfig(reference, frozenset(), "reference"),
         steps.data.release(),
@@ -172,6 +181,10 @@ def tune(
             result.report["state_check"] = _verdict(state_check, log)
     tuned.recipe = _recipe(tuned.config, active, output, run.tp)  # the search kept to this run's dgrad mode
     _write_outputs(tuned, key, cache, time.perf_counter() - t0, log)
+    written = [tuned.yaml_written]  # rank 0's disk decides for every rank's config (Bridge names the YAML)
+    torch.distributed.broadcast_object_list(written, src=0)
+    tuned.yaml_written = written[0]
+    TUNED_HERE.add(key.digest())
     _tensorboard(result)
     undecided = result.search.undecided if result is not None else None
     tuned.verification = _verification(
@@ -181,98 +194,6 @@ def tune(
         switcher.close()
     torch.distributed.barrier()
     return tuned
-
-
-def _verification(
-    tuned: Tuned,
-    reference: UbConfig,
-    switcher: Any,
-    options: TuneOptions,
-    key: Any,
-    cache: Any,
-    log: Callable,
-    remaining: Optional[int] = None,
-    undecided: Optional[TuningConfig] = None,
-    capture: Any = None,
-) -> Any:
-    """The in-run verification of ``tuned`` against ``reference`` (None when off or when there is nothing to
-    verify); its verdict goes into the report, and the YAML, recipe and cache follow the config it keeps (rank 0,
-    atomically). ``undecided``: when tuning kept the reference because its best config was ahead but not beyond the
-    interval its budget allowed, that config is verified instead: the YAML keeps the reference unless the run's
-    own iterations show the gain. ``capture``: the run's CUDA graph capture; every switch ends before it."""
-    import torch
-
-    from megatron_tp_overlap.engine.measure import agree_max
-    from megatron_tp_overlap.engine.verify import InRunVerification, fitting, span
-
-    ref = TuningConfig(reference, frozenset(), "reference")
-    candidate = tuned.config if tuned.config != ref else undecided
-    if options.verify_iters <= 0 or switcher is None or candidate is None or candidate == ref:
-        return None
-    room = remaining if capture is None else capture.room(remaining)
-    iters = fitting(options.verify_iters, room)
-    if iters < options.verify_iters and room != remaining:  # the graph capture, not the run's end, bounds it
-        log(capture.line(span(1), options.verify_iters, iters))
-        if iters == 0:
-            tuned.notes.append(f"in-run verification skipped: CUDA graphs ({capture.mode}) capture before it ends")
-            return None
-    if iters == 0:
-        log(
-            f"{TAG} in-run verification skipped: the run has {remaining} iterations left, the shortest verification "
-            f"takes {span(1)}"
-        )
-        tuned.notes.append("in-run verification skipped: too few iterations left")
-        return None
-    if iters < options.verify_iters and room == remaining:
-        log(f"{TAG} in-run verification shortened to {iters} measured iterations: the run has {remaining} left")
-
-    def on_verdict(v: Any) -> None:
-        switcher.close()  # its last switch is done (every rank is here)
-        tuned.notes.append(v.message)
-        changed = v.keep != tuned.config  # the YAML, recipe and cache hold tuned.config
-        if changed:
-            tuned.config = v.keep
-            tuned.recipe = _recipe(v.keep, tuned.active, tuned.yaml_path, tuned.recipe.tp)
-            for listener in tuned.on_recipe:
-                listener(tuned.recipe)
-        if torch.distributed.get_rank() != 0:
-            return
-        _update_report(tuned.yaml_path, {"in_run_verification": v.to_dict()}, log)
-        if not changed:
-            return
-        why = "found no gain" if v.reverted else "measured the gain"
-        chosen = f"{'reference' if v.reverted else v.keep.label} (the in-run verification {why})"
-        if _write_yaml(tuned.yaml_path, v.keep, {**_key_meta(key), "chosen": chosen}, log):
-            _write_recipe(tuned.yaml_path, tuned.recipe, log)
-            _update_report(tuned.yaml_path, {"recipe": tuned.recipe.to_dict()}, log)
-            what = "the starting config" if v.reverted else f"the {v.keep.label} config"
-            log(f"{TAG} rewrote {tuned.yaml_path} with {what}; reproduce with: {tuned.recipe.line()}")
-        try:
-            cache.put(key, v.keep.ub, v.keep.disabled, {"tuned": {"chosen": chosen}})
-        except OSError as e:
-            log(f"{TAG} WARNING could not update the cache entry: {e}")
-
-    if candidate != tuned.config:  # the search's best, ahead but unresolved: it runs first, as a tuned config does
-        switcher.apply(candidate)
-        log(
-            f"{TAG} {candidate.label} was ahead of the starting config but not beyond the interval the tuning budget "
-            "allows: the run's own iterations settle it (the YAML keeps the starting config unless they show the gain)"
-        )
-
-    log(
-        f"{TAG} verifying in the run: up to the next {span(iters)} iterations alternate the "
-        f"{candidate.label} config and the starting one (ABBA; it stops once the interval decides)"
-    )
-    return InRunVerification(
-        candidate,
-        ref,
-        iters,
-        apply=switcher.apply,
-        agree=lambda v: agree_max(v, None, "cuda"),
-        sync=torch.cuda.synchronize,
-        on_verdict=on_verdict,
-        log=log,
-    )
 
 
 def _search(
@@ -285,6 +206,7 @@ def _search(
     trial_context: Callable[[], ContextManager],
     log: Callable[..., None],
     failure: Optional[list[str]] = None,
+    timeout_s: Optional[float] = None,
 ) -> tuple[Any, Any]:
     """The engine's search on Megatron's trial steps, and the switcher that applied its configs; (None, None) when
     every trial failed or the layout cannot be tuned (all ranks agree on that; why goes to ``failure``)."""
@@ -295,7 +217,7 @@ def _search(
     from megatron_tp_overlap.engine.topology import TopologyMismatch
 
     progress = TuningProgress(enabled=torch.distributed.get_rank() == 0)
-    tuner = _make_tuner(model, steps, init, run, options, reference, log, progress.update)
+    tuner = _make_tuner(model, steps, init, run, options, reference, log, progress.update, timeout_s)
     steps.zero()
     signals: list[int] = []
     try:
@@ -335,6 +257,7 @@ def _make_tuner(
     reference: UbConfig,
     log: Callable[..., None],
     progress: Any = None,
+    timeout_s: Optional[float] = None,
 ) -> Any:
     from megatron_tp_overlap.engine.search import SearchOptions
     from megatron_tp_overlap.engine.space import SpaceSpec
@@ -360,6 +283,7 @@ def _make_tuner(
         trial_timeout_s=options.trial_timeout,
         switch_sets=switch_sets(run.rs_dgrad),
         gloo=gloo_groups_enabled(),
+        distributed_timeout_s=timeout_s,
     )
 
 
