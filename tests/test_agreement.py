@@ -107,7 +107,7 @@ def _ranks(rank, world, init, out):
 def test_six_ranks_agree_over_a_two_level_tree_and_learn_who_failed_at_the_same_point(tmp_path):
     world = 6
     mp.start_processes(
-        _ranks, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world, join=True, start_method="spawn"
+        _ranks, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world, join=True, start_method="fork"
     )
     rs = [json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(world)]
     for r in rs:

@@ -132,7 +132,7 @@ def test_all_ranks_agree_on_one_run_dir(tmp_path):
         args=(str(tmp_path / "init"), str(tmp_path / "runs"), str(tmp_path)),
         nprocs=3,
         join=True,
-        start_method="spawn",
+        start_method="fork",
     )
     paths = {(tmp_path / f"r{r}").read_text() for r in range(3)}
     assert len(paths) == 1 and os.path.isdir(paths.pop())

@@ -96,7 +96,7 @@ def _writer(root, i):
 
 
 def test_concurrent_writers_leave_a_valid_entry(tmp_path):
-    procs = [mp.get_context("spawn").Process(target=_writer, args=(str(tmp_path), i)) for i in range(4)]
+    procs = [mp.get_context("fork").Process(target=_writer, args=(str(tmp_path), i)) for i in range(4)]
     for p in procs:
         p.start()
     for p in procs:

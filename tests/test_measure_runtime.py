@@ -179,7 +179,7 @@ def test_concurrent_writers_of_one_output_yaml_leave_a_valid_file(tmp_path):
     from megatron_tp_overlap.ub.config import load_yaml
 
     path = tmp_path / "tuned.yaml"
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("fork")
     procs = [ctx.Process(target=_write_many, args=(str(path), w)) for w in range(4)]
     for p in procs:
         p.start()

@@ -99,6 +99,17 @@ def test_dry_run_resolves_model_hf_and_prints_what_the_launch_will_do(tmp_path):
     assert "tp_comm_overlap_tuned.yaml" in text and "cache: " in text
 
 
+def test_the_dry_run_of_an_moe_model_lists_the_slots_megatron_builds(tmp_path):
+    """Mixtral has no dense layer and no shared expert: only attention overlaps. The MoE preset (a dense first
+    layer, a shared expert) adds fc1/fc2 and the shared experts' own slots."""
+    text = "\n".join(_dry("model.hf=mistralai/Mixtral-8x7B-v0.1", "model.num_layers=2", f"output.root={tmp_path}")[1])
+    assert re.search(
+        r"search: slots qkv\.fwd\(1\), qkv\.bwd\(2\), proj\.fwd\(1\), proj\.bwd\(2\); \d+ options over 5 GEMMs", text
+    )
+    text = "\n".join(_dry("model=moe_small", f"output.root={tmp_path}")[1])
+    assert "shared_fc1.fwd(1), shared_fc1.bwd(0), shared_fc2.fwd(1), shared_fc2.bwd(2)" in text and "fc1.bwd(2)" in text
+
+
 def test_dry_run_checks_what_the_tuner_checks_with_the_gpu(tmp_path):
     yaml = tmp_path / "ub.yaml"
     yaml.write_text("fc2_fprop:\n  method: pipeline\n  num_sm: 140\n")  # fits a B200 (148 SMs), not an H100 (132)
@@ -204,3 +215,74 @@ def test_validate_says_what_it_could_not_check(tmp_path, capsys):
     helptext = capsys.readouterr().out
     for flag in ("--tp", "--seq-length", "--micro-batch-size", "--hidden-size", "--megatron-args", "--gpu", "--dtype"):
         assert re.search(rf"{flag}\b.*\n?\s+\S", helptext), flag
+
+
+def _fake_megatron(monkeypatch, validate):
+    """megatron.training.arguments / training and megatron.core.datasets.utils as install() patches them: a parser
+    that takes the Megatron flags the test gives, and ``validate_args``."""
+    import argparse
+    import types
+
+    from megatron_tp_overlap.integrations.megatron import launcher
+
+    def parse_args(extra_args_provider=None, ignore_unknown_args=False):
+        p = argparse.ArgumentParser()
+        for flag in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--seq-length"):
+            p.add_argument(flag, type=int, default=1)
+        for flag in ("--micro-batch-size", "--hidden-size", "--ffn-hidden-size", "--num-attention-heads"):
+            p.add_argument(flag, type=int, default=1)
+        p.add_argument("--num-layers", type=int, default=2)
+        for flag in ("--sequence-parallel", "--tp-comm-overlap", "--bf16"):
+            p.add_argument(flag, action="store_true")
+        p.add_argument("--tp-comm-overlap-cfg", default=None)
+        p = extra_args_provider(p) if extra_args_provider else p
+        args, _ = p.parse_known_args(sys.argv[1:])
+        args.world_size, args.decoder_seq_length = int(__import__("os").environ.get("WORLD_SIZE", "1")), None
+        return args
+
+    arguments = types.SimpleNamespace(parse_args=parse_args, validate_args=validate)
+    modules = {
+        "megatron": types.ModuleType("megatron"),
+        "megatron.training": types.ModuleType("megatron.training"),
+        "megatron.training.arguments": arguments,
+        "megatron.training.training": types.SimpleNamespace(train=lambda *a: None, training_log=None),
+        "megatron.core": types.ModuleType("megatron.core"),
+        "megatron.core.datasets": types.ModuleType("megatron.core.datasets"),
+        "megatron.core.datasets.utils": types.SimpleNamespace(compile_helpers=lambda: None),
+    }
+    for name, mod in modules.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+    monkeypatch.setattr(launcher, "_installed", False)
+    monkeypatch.setattr(launcher, "_te_available", lambda: True)
+
+
+def test_the_launchers_dry_run_parses_and_validates_as_a_launch_and_says_what_tuning_would_do(
+    monkeypatch, tmp_path, capsys
+):
+    from megatron_tp_overlap.integrations.megatron.launcher import run_script
+
+    script = tmp_path / "pretrain_gpt.py"
+    script.write_text("raise SystemExit('a dry run never runs the script')\n")
+    flags = "--tensor-model-parallel-size 2 --seq-length 4096 --hidden-size 4096 --ffn-hidden-size 14336 "
+    flags += "--num-attention-heads 32 --sequence-parallel --tp-comm-overlap --bf16 --tp-comm-overlap-autotune "
+    flags += f"--tp-comm-overlap-autotune-output {tmp_path / 'ub.yaml'}"
+    seen = []
+    _fake_megatron(monkeypatch, lambda args, defaults: seen.append(args.world_size))
+    with pytest.raises(SystemExit) as e:
+        run_script(["--dry-run", "--world-size", "4", str(script), *flags.split()])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and seen == [4]
+    assert "processes: 4; TP 2, PP 1, CP 1, DP 2" in out and "userbuffers: [4096, 4096]" in out
+    assert f"tuned YAML: {tmp_path / 'ub.yaml'}" in out and not (tmp_path / "ub.yaml").exists()
+
+    def refuses(args, defaults):
+        raise AssertionError("num_attention_heads must be divisible by tensor_model_parallel_size")
+
+    _fake_megatron(monkeypatch, refuses)
+    with pytest.raises(SystemExit) as e:
+        run_script(["--dry-run", str(script), *flags.split()])
+    assert e.value.code == 2 and "validate_args refused these arguments: num_attention_heads" in capsys.readouterr().err
+    _fake_megatron(monkeypatch, lambda args, defaults: None)
+    with pytest.raises(SystemExit) as e:  # the plugin's own check, as a launch: no sequence parallelism
+        run_script(["--dry-run", str(script), *flags.replace("--sequence-parallel ", "").split()])
+    assert e.value.code == 2 and "needs --sequence-parallel" in capsys.readouterr().err

@@ -74,19 +74,38 @@ def reference(ov: Any) -> tuple[UbConfig, str]:
     return UbConfig(), "TE's default ub_cfgs"
 
 
-def search_lines(ov: Any, ctx: ValidationContext, ref: UbConfig) -> list[str]:
-    """The slots and the size of the search space the run will search (Megatron's GPT layers: qkv and fc1 column-,
-    proj and fc2 row-parallel, every overlap on, dgrad bulk as the main job launches them)."""
-    from megatron_tp_overlap.engine.space import SpaceSpec, build_space
+def topology_of(dims: dict[str, Any]) -> Any:
+    """The overlap topology Megatron builds for the main job's GPT (qkv and fc1 column-, proj and fc2 row-parallel,
+    every overlap on, dgrad bulk as the main job launches them). An MoE model: fc1/fc2 only where dense layers are
+    (``moe_layer_freq``), a shared expert's fc1/fc2 in slots of their own with its AG/RS only; routed experts none."""
     from megatron_tp_overlap.engine.topology import Topology
-    from megatron_tp_overlap.ub.config import GEMM_NAMES
+
+    attention = {f"{m}_{p}" for m in ("qkv", "proj") for p in ("fprop", "dgrad", "wgrad")}
+    mlp = {f"{m}_{p}" for m in ("fc1", "fc2") for p in ("fprop", "dgrad", "wgrad")}
+    kinds = [("qkv", "column"), ("proj", "row")]
+    freq = dims.get("moe_layer_freq")
+    dense = not dims.get("num_experts") or (0 in freq if isinstance(freq, list) else (freq or 1) > 1)
+    active, own = set(attention), []
+    if dense:
+        kinds += [("fc1", "column"), ("fc2", "row")]
+        active |= mlp
+    if dims.get("num_experts") and dims.get("moe_shared_expert_intermediate_size"):
+        kinds += [("shared_fc1", "column"), ("shared_fc2", "row")]
+        shared = {
+            "shared_fc1": frozenset({"fc1_fprop"}),
+            "shared_fc2": frozenset({"fc2_fprop", "fc2_dgrad", "fc2_wgrad"}),
+        }
+        own = sorted(shared.items())
+        active |= set().union(*shared.values())
+    return Topology(kinds=tuple(kinds), active=frozenset(active), layers=0, prefix_active=tuple(own))
+
+
+def search_lines(ov: Any, ctx: ValidationContext, ref: UbConfig, dims: Optional[dict[str, Any]] = None) -> list[str]:
+    """The slots and the size of the search space the run will search (:func:`topology_of` the model)."""
+    from megatron_tp_overlap.engine.space import SpaceSpec, build_space
     from megatron_tp_overlap.ub.presets import PRESETS
 
-    topo = Topology(
-        kinds=(("qkv", "column"), ("proj", "row"), ("fc1", "column"), ("fc2", "row")),
-        active=frozenset(GEMM_NAMES),
-        layers=0,
-    )
+    topo = topology_of(dims or {})
     spec = SpaceSpec(include_off=ov.allow_off, include_rs_dgrad=False, include_bulk_dgrad=True)
     space = build_space(topo, ctx, [ref, UbConfig(), *PRESETS.values()], spec)
     slots = ", ".join(f"{s}({len(g)})" for s, g in topo.slots().items())
@@ -167,7 +186,7 @@ def dry_run(cfg: Any, world: Optional[int], world_from: str, gpu: Optional[str])
         )
         lines.append(f"tp_overlap: {ov.mode}, starting from {given}")
         if ov.mode == "autotune":
-            lines += search_lines(ov, ctx, ref)
+            lines += search_lines(ov, ctx, ref, model["dims"])
     name = cfg.output.name or "<timestamp at launch, YYYYmmdd-HHMMSS>"
     lines += file_lines(cfg, Path(cfg.output.root).resolve() / name)
     return [], lines

@@ -237,6 +237,11 @@ USAGE = """Run an unmodified Megatron-LM training script with the autotune plugi
     torchrun --nproc-per-node=N -m megatron_tp_overlap.run [--iteration-log PATH] pretrain_gpt.py <Megatron args> \\
         --tp-comm-overlap --tp-comm-overlap-autotune
 
+Check a launch without GPUs (megatron-core installed): Megatron's parser and validate_args at N processes, then what
+tuning would do and write:
+
+    python -m megatron_tp_overlap.run --dry-run --world-size N pretrain_gpt.py <Megatron args> ...
+
 The script runs as ``__main__`` with its own folder first on ``sys.path`` (as ``python script.py`` would),
 after :func:`install` patched Megatron."""
 
@@ -267,6 +272,10 @@ def run_script(argv: list[str]) -> None:
     if not argv or argv[0] in ("-h", "--help"):
         print(help_text())
         raise SystemExit(0 if argv else 2)
+    if argv[0] == "--dry-run":
+        from megatron_tp_overlap.integrations.megatron.dry_run import dry_run
+
+        raise SystemExit(dry_run(argv[1:]))
     script = argv[0]
     if not os.path.isfile(script):
         refuse(f"megatron_tp_overlap.run: training script not found: {script}")
