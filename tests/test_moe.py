@@ -246,3 +246,16 @@ def test_an_rng_tracker_of_generators_is_checked_and_restored():
     snap.restore()
     assert check.mismatches() == []
     assert torch.rand(3, generator=tracker.states_["model-parallel-rng"]).tolist() == first
+
+
+def test_a_bridge_moe_provider_is_tuned_with_the_same_key_as_the_flags():
+    """Megatron-Bridge's MoE providers are TransformerConfigs with the same field names as Megatron-LM's flags."""
+    moe = dict(moe_router_topk=2, moe_ffn_hidden_size=1792, moe_shared_expert_intermediate_size=3584)
+    a = _args(num_experts=8, **moe)
+    m = SimpleNamespace(
+        **{k: v for k, v in vars(a).items() if k not in ("num_experts", "swiglu", "micro_batch_size")},
+        num_moe_experts=8,
+        gated_linear_unit=True,
+    )
+    bridge = RunShape.from_transformer_config(m, micro_batch_size=1)
+    assert bridge.problems() == [] and bridge.moe == RunShape.from_args(a).moe
