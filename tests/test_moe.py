@@ -2,7 +2,6 @@
 the overlap coverage line (MLA-like models too), every module buffer and the MoE metrics restored, the MoE layout in
 the reuse key."""
 
-import argparse
 from types import SimpleNamespace
 
 import fakes
@@ -159,23 +158,9 @@ def test_moe_metrics_recorded_by_trial_steps_are_taken_back(monkeypatch):
 
 
 def _args(**kw):
-    base = dict(
-        tensor_model_parallel_size=2,
-        seq_length=4096,
-        micro_batch_size=1,
-        hidden_size=4096,
-        ffn_hidden_size=14336,
-        num_attention_heads=32,
-        group_query_attention=True,
-        num_query_groups=8,
-        kv_channels=None,
-        swiglu=True,
-        fp8=None,
-        bf16=True,
-        sequence_parallel=True,
-        tp_comm_overlap=True,
-    )
-    return argparse.Namespace(**{**base, **kw})
+    from test_megatron_integration import ns  # the TP=2 GPT arguments the integration tests use
+
+    return ns(**kw)
 
 
 def test_an_moe_run_tunes_and_its_layout_keys_the_cache():
