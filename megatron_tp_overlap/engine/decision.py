@@ -130,6 +130,8 @@ class FinalDecision:
             decision=decision,
             undecided=undecided,
             cut_short=self.cut_short,
+            search_end=self.search_end,
+            coverage=self.coverage_report,
         )
 
     def _select_trials(self, plan: list[Contender], ref: Contender, stop_short: bool = False) -> bool:

@@ -1,0 +1,291 @@
+"""Racing: after screening, the rest of the budget goes where gain can still be found. A mixin of
+:class:`~engine.search.Searcher` (its trial runner, budget and per-option scoring).
+
+One screened step per option ranks but cannot rule out: a slow step (a GC, the power limit's clocks) hides a
+gain of a few % of a GEMM, and on 200 simulated seeds the old search (the best screened option per GEMM re-measured
+once) left up to 89% of the available gain behind while two thirds of its budget went unused (issue 46). So every
+option is re-measured in rounds of ``halving_steps``-step trials (the most promising first, the best-screened of
+each GEMM before the rest), and after each round an option is *settled* when its optimistic gain (estimate + z
+standard errors) cannot beat the incumbent or the leader of its GEMM; the unsettled run again. The rounds end at the
+budget, when every option left has ``race_samples`` samples (equal options never separate), or early: when what the
+unsettled options could still add, summed over GEMMs, is below a gain worth a switch (``rel_floor`` of the step).
+Each GEMM's leader is then re-measured afresh (``recheck_steps``) and only those fresh samples accept it, so that the
+luckiest of many estimates (the winner's curse) does not decide; the final ABBA decision still guards the result.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from megatron_tp_overlap.engine.space import Option, TuningConfig
+from megatron_tp_overlap.engine.stats import pooled_sigma
+from megatron_tp_overlap.engine.trial import Trial, Work
+
+Raw = dict[Option, list[tuple[Trial, list[float]]]]
+JUMP = 0.1  # a change of the incumbent's level between two of its trials beyond which the trials between are unknown
+
+
+@dataclass
+class Race:
+    """What the racing rounds know and left: per option its relative samples (ms, negative: faster than the
+    incumbent), and the options still unsettled when the rounds ended."""
+
+    screened: dict[Option, list[float]]
+    raw: Raw = field(default_factory=dict)  # option -> [(trial, per-step score)] of the racing rounds
+    rounds: int = 0
+    unsettled: set[Option] = field(default_factory=set)
+    upside_ms: float = math.inf  # what the unsettled could still add over the leaders, summed over GEMMs
+    ended: str = ""  # why the rounds ended, in one line
+
+
+class Racing:
+    """The racing rounds and the per-slot account of what was tried and left (mixin); each option is scored against
+    the incumbent at the same moment."""
+
+    def _incumbent_trials(self, incumbent: TuningConfig, steps: int | None = None) -> list[Trial]:
+        """The incumbent's own trials; ``steps``: those of that many measured steps when there are any (compared at
+        the same positions after a switch: a 1-step screening bracket that caught a slow step biased every 4-step
+        option after it by that step)."""
+        key = (incumbent, steps, len(self.trials))
+        if key not in self._cache:
+            inc = [
+                t for t in self.trials if t.phase in ("baseline", "bracket") and not t.error and t.config == incumbent
+            ]
+            same = [t for t in inc if len(t.step_samples) == steps]
+            self._cache[key] = same or inc
+        return self._cache[key]
+
+    def _relative(self, incumbent: TuningConfig, opt: Option, entries: list[tuple[Trial, list[float]]]) -> list[float]:
+        """Per-step ms of ``opt``'s slots minus the incumbent's at the same moment (interpolated between the
+        incumbent trials around it): negative is faster; drift between trials cancels."""
+        slots = self._slots_of(opt)
+        out = []
+        for t, score in entries:
+            n = len(t.step_samples)
+            key = ("track", incumbent, slots, n, len(self.trials))
+            if key not in self._cache:
+                level = lambda x: statistics.median(v) if (v := self._score(x.slot_samples, slots)) else None  # noqa: E731
+                inc = self._incumbent_trials(incumbent, n)
+                pts = sorted((x.position, v) for x in inc if (v := level(x)) is not None)
+                self._cache[key] = (self._track(inc, level), pts)
+            track, pts = self._cache[key]
+            if n > 1 and self._jumped(pts, t.position):
+                continue  # the incumbent changed suddenly around this trial: what it did at that moment is unknown
+            ref = track(t.position)
+            out += [v - ref for v in score if not math.isnan(ref)]
+        return out
+
+    @staticmethod
+    def _jumped(pts: list[tuple[float, float]], position: float) -> bool:
+        """Whether the incumbent trials on either side of ``position`` differ by more than ``JUMP`` of its level: a
+        sudden change (+25% for a stretch) between them leaves every re-measurement in between compared with a
+        level the incumbent never had (on 40 simulated seeds the worst kept 42% of the gain); such a trial's
+        samples are left out, and the option, less measured, runs again in the next round."""
+        before = [v for p, v in pts if p < position]
+        after = [v for p, v in pts if p > position]
+        return bool(before and after) and abs(after[0] - before[-1]) > JUMP * max(after[0], before[-1])
+
+    def _bracket_samples(self, incumbent: TuningConfig, trials: list[Trial]) -> int:
+        """Samples of the incumbent trials just before and after ``trials`` (what :meth:`_relative` interpolates
+        between; a screening bracket has fewer steps than a halving one), the fewest over ``trials``."""
+        counts = []
+        for t in trials:
+            inc = sorted(
+                (x.position, len(x.step_samples)) for x in self._incumbent_trials(incumbent, len(t.step_samples))
+            )
+            before = [n for p, n in inc if p < t.position]
+            after = [n for p, n in inc if p > t.position]
+            counts.append((before[-1] if before else 0) + (after[0] if after else 0))
+        return max(1, min(counts, default=1))
+
+    def _incumbent_level(self, incumbent: TuningConfig, opt: Option) -> float:
+        vals = [
+            v
+            for t in self._incumbent_trials(incumbent)
+            for v in (self._score(t.slot_samples, self._slots_of(opt)) or [])
+        ]
+        return statistics.median(vals) if vals else 0.0
+
+    def _gain_bounds(
+        self, incumbent: TuningConfig, opt: Option, entries: list[tuple[Trial, list[float]]], sigma: float
+    ) -> tuple[float, float, int] | None:
+        """(gain estimate, its standard error, samples) from ``entries``; gain in ms, positive: faster."""
+        rel = self._relative(incumbent, opt, entries)
+        if not rel:
+            return None
+        n_inc = self._bracket_samples(incumbent, [t for t, _ in entries])
+        se = sigma * len(self._slots_of(opt)) ** 0.5 * (1 / len(rel) + 1 / n_inc) ** 0.5
+        return -statistics.median(rel), se, len(rel)
+
+    def _settle(self, incumbent: TuningConfig, race: Race, sigma: float) -> dict[str, tuple[Option, float, float]]:
+        """Settles what the samples rule out; returns per GEMM its leader (option, gain, se). An option is settled
+        when its gain + z se cannot beat the incumbent nor the leader's gain - z se; the leader, when nothing else
+        of its GEMM is unsettled and it is beyond the noise either way. Only a re-measured option settles: one
+        screened step, at one moment, can be a slow one."""
+        z = self.opt.z
+        bounds = {o: b for o, e in race.raw.items() if (b := self._gain_bounds(incumbent, o, e, sigma))}
+        leaders: dict[str, tuple[Option, float, float]] = {}
+        for o, (g, se, _) in bounds.items():
+            if o.gemm not in leaders or g > leaders[o.gemm][1]:
+                leaders[o.gemm] = (o, g, se)
+        upside: dict[str, float] = {}
+        for o in list(race.unsettled):
+            lead = leaders.get(o.gemm)
+            if o not in bounds:  # screened only: its optimistic gain from that one step
+                s = race.screened.get(o)
+                ucb = (-statistics.median(s) + z * sigma * 2**0.5) if s else math.inf
+            else:
+                g, se, n = bounds[o]
+                ucb = g + z * se
+                floor = 0.0 if lead is None or lead[0] == o else lead[1] - z * lead[2]
+                if ucb <= max(0.0, floor) or n >= self.opt.race_samples:
+                    race.unsettled.discard(o)
+                    continue
+            held = max(0.0, lead[1]) if lead else 0.0
+            upside[o.gemm] = max(upside.get(o.gemm, 0.0), ucb - held)
+        for gemm, (o, g, se) in leaders.items():  # a leader alone, beyond the noise either way, is settled
+            alone = not any(x.gemm == gemm and x != o for x in race.unsettled)
+            if o in race.unsettled and alone and (g - z * se > 0 or g + z * se <= 0):
+                race.unsettled.discard(o)
+                upside.pop(gemm, None)
+        race.upside_ms = sum(upside.values())
+        return leaders
+
+    def _race(
+        self,
+        incumbent: TuningConfig,
+        options: list[Option],
+        screened: dict[Option, list[float]],
+        decision: Callable[[], Work],
+        contenders: int,
+    ) -> Race:
+        """The racing rounds. The best-screened ``keep`` of each GEMM are re-measured first, keeping only the final
+        decision in reserve, as the search before racing did; every further measurement also keeps the numerics
+        check, the leaders' re-check and the selection round's runoff in reserve."""
+        o = self.opt
+        race = Race(screened, unsettled={x for x in options if x in screened})
+        rank = {}
+        for gemm in {x.gemm for x in race.unsettled}:
+            mine = sorted((x for x in race.unsettled if x.gemm == gemm), key=lambda x: statistics.median(screened[x]))
+            rank.update({x: i for i, x in enumerate(mine)})
+        check = Work(2 * (1 + o.warmup_steps), 2) if self.verify else Work()
+
+        def full() -> Work:
+            if decision() == Work():  # not priced yet
+                return Work()
+            b = self.block_steps
+            runoff = (o.select_passes - 1) * (min(o.runoff, contenders) + 1)
+            w = decision() + check + Work(runoff * (b + o.warmup_steps), runoff) + self.recheck_work()
+            # optional work is priced with care: the reserve at the search's mean seconds per step so far where that
+            # is more (a clock whose steps cost more than their GPU time: priced by the model alone, the racing
+            # left the decision one selection block, "the budget ran out before any candidate was measured")
+            step_s, short = self._rates()[0], self.elapsed_s / max(1, self.steps_run) * w.steps - self._seconds(w)
+            return w + Work(math.ceil(short / step_s)) if step_s > 0 and short > 0 else w
+
+        first = [x for x in race.unsettled if rank[x] < o.keep]
+        untried = self._measure_options(
+            "halving", incumbent, sorted(first, key=rank.get), o.halving_steps, race.raw, decision
+        )
+        worth = o.rel_floor * self._step_level(incumbent)
+        while not untried and race.unsettled:
+            self._settle(incumbent, race, self._sigma())
+            if race.upside_ms < worth:
+                break
+            # later the least measured first (the best-screened among equals)
+            queue = sorted(race.unsettled, key=lambda x: self._queue_key(x, race))
+            untried = self._measure_options("halving", incumbent, queue, o.halving_steps, race.raw, full)
+            race.rounds += 1
+        self._settle(incumbent, race, self._sigma())
+        if untried or (race.unsettled and race.upside_ms >= worth):
+            race.ended = (
+                f"the budget ({o.budget_text()}) ended the re-measurement: {len(race.raw)} of {len(screened)} "
+                f"screened options re-measured, {len(race.unsettled)} left unsettled"
+            )
+        elif race.unsettled:
+            race.ended = (
+                f"[tp-overlap-autotune] search stops early at {self.elapsed_s:.1f} s of {o.max_seconds:g} s: the "
+                f"{len(race.unsettled)} options left cannot beat the incumbent by a gain worth a switch (together "
+                f"at most {race.upside_ms:.3f} ms per step, under {100 * o.rel_floor:g}% of a step = "
+                f"{worth:.3f} ms)"
+            )
+        else:
+            race.ended = (
+                f"[tp-overlap-autotune] search stops early at {self.elapsed_s:.1f} s of {o.max_seconds:g} s: every "
+                f"option is settled (none left can beat the incumbent by a gain worth a switch) after {race.rounds} "
+                "rounds of re-measurement"
+            )
+        return race
+
+    def _queue_key(self, x: Option, race: Race) -> tuple[int, float]:
+        return sum(len(s) for _, s in race.raw.get(x, [])), statistics.median(race.screened[x])
+
+    def _sigma(self) -> float:
+        key = ("sigma", len(self.trials))
+        if key not in self._cache:
+            self._cache[key] = pooled_sigma([v for t in self.trials for v in t.slot_samples.values()], positional=True)
+        return self._cache[key]
+
+    def _step_level(self, incumbent: TuningConfig) -> float:
+        vals = [v for t in self._incumbent_trials(incumbent) for v in t.step_samples]
+        return statistics.median(vals) if vals else 0.0
+
+    def _note_cut_short(
+        self,
+        n_options: int,
+        unscreened: int,
+        samples: dict[Option, list[float]],
+        race: Race,
+        rechecks: list,
+        missed: int,
+    ) -> None:
+        """Says what the budget left out of what it must not: every option screened, the best-screened of each GEMM
+        re-measured, each leader re-checked (the rest of the racing is what the budget allows)."""
+        firsts = {
+            min((x for x in samples if x.gemm == g), key=lambda x: statistics.median(samples[x]))
+            for g in {x.gemm for x in samples}
+        }
+        missed += sum(x not in race.raw for x in firsts)
+        if not (unscreened or missed):
+            return
+        per_trial = statistics.fmean(sec for *_, sec, _ in self._spent[1:] or self._spent) if self._spent else 0.0
+        self.cut_short = (
+            f"the budget ran out during the search: {n_options - unscreened} of {n_options} options "
+            f"screened, {len(firsts) + len(rechecks) - missed} of {len(firsts) + len(rechecks)} re-measured"
+            + (
+                f" (at {per_trial:.2f} s per trial the whole search needs about "
+                f"{self.planned_trials * per_trial:.0f} s: {self._raise_hint()}, or shorten the trial steps)"
+                if per_trial > 0
+                else ""
+            )
+        )
+
+    def recheck_work(self) -> Work:
+        """The fresh re-measurement of each GEMM's leader: a leading bracket, a trial per GEMM of the fullest
+        slot, and their brackets."""
+        per_slot = max((len(g) for g in self.topo.slots().values()), default=1)
+        trials = 1 + per_slot + math.ceil(per_slot / self.opt.bracket_every)
+        return Work(trials * (self.opt.recheck_steps + self.opt.warmup_steps), trials)
+
+    def coverage(self, options: list[Option], race: Race, rechecked: set[Option]) -> dict[str, dict]:
+        """Per slot: how many options it has, how many were screened and re-measured (and how often), which leaders
+        were re-checked afresh, and which options were left unsettled or never measured."""
+        out: dict[str, dict] = {}
+        for slot, gemms in self.topo.slots().items():
+            mine = [x for x in options if x.gemm in gemms]
+            if not mine:
+                continue
+            label = lambda x: f"{x.gemm}: {x.label}"  # noqa: E731
+            out[slot] = {
+                "options": len(mine),
+                "screened": sum(x in race.screened for x in mine),
+                "re_measured": sum(x in race.raw for x in mine),
+                "re_measured_samples": sum(len(s) for x in mine for _, s in race.raw.get(x, [])),
+                "rechecked": sorted(label(x) for x in mine if x in rechecked),
+                "left_unsettled": sorted(label(x) for x in mine if x in race.unsettled and x in race.raw),
+                "never_measured": sorted(label(x) for x in mine if x not in race.screened),
+                "screened_only": sorted(label(x) for x in mine if x in race.screened and x not in race.raw),
+            }
+        return out
