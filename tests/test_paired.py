@@ -59,16 +59,16 @@ def test_decision_rule_on_ten_simulated_runs():
         assert r["false_winner_rate"] == 0.0, (scenario, r)
 
 
-def test_the_tuner_lands_within_1pct_of_the_slot_exhaustive_search_with_half_its_steps():
+def test_the_tuner_lands_within_1pct_of_the_slot_exhaustive_search_within_its_budget():
     """Issue 19's layer-level bar on the simulated stack (not a timing test): on the same worlds as the slot-exhaustive
-    search (as the layer benchmark runs it), the tuner's choice is never more than 1% slower, in every seed, with
-    about half of the exhaustive search's steps (median over seeds; the issue asks <= 50%, the design takes 169 of
-    336 = 50.3% when both decide in 6 quadruples); two disturbances: 2% i.i.d. noise and the oscillation measured
-    in real Megatron iterations."""
+    search (as the layer benchmark runs it), the tuner's choice is never more than 1% slower, in every seed; two
+    disturbances: 2% i.i.d. noise and the oscillation measured in real Megatron iterations. Issue 19 also asked for
+    half of the exhaustive search's steps (169 of 336); issue 46 spends the rest of the 60 s budget where gain can
+    still be found, so the bar on steps is the budget."""
     res = decision_sim.evaluate_rule(20, ("iid", "locked"), vs_exhaustive=True)  # 40 seeds: the simulator's table
     for scenario, r in res.items():
         assert r["vs_exhaustive_beyond_1pct"] == 0, (scenario, r)
-        assert r["steps_vs_exhaustive"] <= 0.51, (scenario, r)
+        assert r["seconds_max"] <= r["budget_s"], (scenario, r)
 
 
 def test_an_interval_is_described_by_both_bounds_since_it_is_not_symmetric():
