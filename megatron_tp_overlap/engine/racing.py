@@ -36,7 +36,9 @@ class Race:
     screened: dict[Option, list[float]]
     raw: Raw = field(default_factory=dict)  # option -> [(trial, per-step score)] of the racing rounds
     rounds: int = 0
-    unsettled: set[Option] = field(default_factory=set)
+    # the options still open, in the search's order (a dict, not a set: a set's order follows string hashes, which
+    # differ between processes, and every rank must pack the same trials)
+    unsettled: dict[Option, None] = field(default_factory=dict)
     upside_ms: float = math.inf  # what the unsettled could still add over the leaders, summed over GEMMs
     ended: str = ""  # why the rounds ended, in one line
 
@@ -142,14 +144,14 @@ class Racing:
                 ucb = g + z * se
                 floor = 0.0 if lead is None or lead[0] == o else lead[1] - z * lead[2]
                 if ucb <= max(0.0, floor) or n >= self.opt.race_samples:
-                    race.unsettled.discard(o)
+                    race.unsettled.pop(o, None)
                     continue
             held = max(0.0, lead[1]) if lead else 0.0
             upside[o.gemm] = max(upside.get(o.gemm, 0.0), ucb - held)
         for gemm, (o, g, se) in leaders.items():  # a leader alone, beyond the noise either way, is settled
             alone = not any(x.gemm == gemm and x != o for x in race.unsettled)
             if o in race.unsettled and alone and (g - z * se > 0 or g + z * se <= 0):
-                race.unsettled.discard(o)
+                race.unsettled.pop(o, None)
                 upside.pop(gemm, None)
         race.upside_ms = sum(upside.values())
         return leaders
@@ -166,9 +168,9 @@ class Racing:
         decision in reserve, as the search before racing did; every further measurement also keeps the numerics
         check, the leaders' re-check and the selection round's runoff in reserve."""
         o = self.opt
-        race = Race(screened, unsettled={x for x in options if x in screened})
+        race = Race(screened, unsettled=dict.fromkeys(x for x in options if x in screened))
         rank = {}
-        for gemm in {x.gemm for x in race.unsettled}:
+        for gemm in dict.fromkeys(x.gemm for x in race.unsettled):
             mine = sorted((x for x in race.unsettled if x.gemm == gemm), key=lambda x: statistics.median(screened[x]))
             rank.update({x: i for i, x in enumerate(mine)})
         check = Work(2 * (1 + o.warmup_steps), 2) if self.verify else Work()
