@@ -25,6 +25,7 @@ from megatron_tp_overlap.engine.stats import pooled_sigma
 from megatron_tp_overlap.engine.trial import Trial, Work
 
 Raw = dict[Option, list[tuple[Trial, list[float]]]]
+RECHECKS = 3  # fresh looks at a GEMM's leader at most (the 2nd and 3rd only while inconclusive: search.py)
 JUMP = 0.1  # a change of the incumbent's level between two of its trials beyond which the trials between are unknown
 
 
@@ -63,6 +64,14 @@ class Racing:
     def _relative(self, incumbent: TuningConfig, opt: Option, entries: list[tuple[Trial, list[float]]]) -> list[float]:
         """Per-step ms of ``opt``'s slots minus the incumbent's at the same moment (interpolated between the
         incumbent trials around it): negative is faster; drift between trials cancels."""
+        return [v for diffs, _ in self._relative_trials(incumbent, opt, entries) for v in diffs]
+
+    def _relative_trials(
+        self, incumbent: TuningConfig, opt: Option, entries: list[tuple[Trial, list[float]]]
+    ) -> list[tuple[list[float], float]]:
+        """Per trial of ``entries``: its relative samples (:meth:`_relative`) and the variance of the incumbent's
+        interpolated level there, in units of one sample's: ``w^2 / n0 + (1 - w)^2 / n1`` for the weights and sample
+        counts of the incumbent trials on either side (a trial right after a bracket leans on that bracket alone)."""
         slots = self._slots_of(opt)
         out = []
         for t, score in entries:
@@ -71,37 +80,35 @@ class Racing:
             if key not in self._cache:
                 level = lambda x: statistics.median(v) if (v := self._score(x.slot_samples, slots)) else None  # noqa: E731
                 inc = self._incumbent_trials(incumbent, n)
-                pts = sorted((x.position, v) for x in inc if (v := level(x)) is not None)
+                pts = sorted((x.position, v, len(x.step_samples)) for x in inc if (v := level(x)) is not None)
                 self._cache[key] = (self._track(inc, level), pts)
             track, pts = self._cache[key]
             if n > 1 and self._jumped(pts, t.position):
                 continue  # the incumbent changed suddenly around this trial: what it did at that moment is unknown
             ref = track(t.position)
-            out += [v - ref for v in score if not math.isnan(ref)]
+            if not math.isnan(ref):
+                out.append(([v - ref for v in score], self._ref_var(pts, t.position)))
         return out
 
     @staticmethod
-    def _jumped(pts: list[tuple[float, float]], position: float) -> bool:
+    def _ref_var(pts: list[tuple[float, float, int]], position: float) -> float:
+        before = [(p, k) for p, _, k in pts if p <= position]
+        after = [(p, k) for p, _, k in pts if p > position]
+        if not (before and after):
+            return 1 / max(1, (before or after)[-1 if before else 0][1])
+        (p0, n0), (p1, n1) = before[-1], after[0]
+        w = (p1 - position) / (p1 - p0) if p1 > p0 else 0.5
+        return w * w / max(1, n0) + (1 - w) * (1 - w) / max(1, n1)
+
+    @staticmethod
+    def _jumped(pts: list[tuple[float, float, int]], position: float) -> bool:
         """Whether the incumbent trials on either side of ``position`` differ by more than ``JUMP`` of its level: a
         sudden change (+25% for a stretch) between them leaves every re-measurement in between compared with a
         level the incumbent never had (on 40 simulated seeds the worst kept 42% of the gain); such a trial's
         samples are left out, and the option, less measured, runs again in the next round."""
-        before = [v for p, v in pts if p < position]
-        after = [v for p, v in pts if p > position]
+        before = [v for p, v, _ in pts if p < position]
+        after = [v for p, v, _ in pts if p > position]
         return bool(before and after) and abs(after[0] - before[-1]) > JUMP * max(after[0], before[-1])
-
-    def _bracket_samples(self, incumbent: TuningConfig, trials: list[Trial]) -> int:
-        """Samples of the incumbent trials just before and after ``trials`` (what :meth:`_relative` interpolates
-        between; a screening bracket has fewer steps than a halving one), the fewest over ``trials``."""
-        counts = []
-        for t in trials:
-            inc = sorted(
-                (x.position, len(x.step_samples)) for x in self._incumbent_trials(incumbent, len(t.step_samples))
-            )
-            before = [n for p, n in inc if p < t.position]
-            after = [n for p, n in inc if p > t.position]
-            counts.append((before[-1] if before else 0) + (after[0] if after else 0))
-        return max(1, min(counts, default=1))
 
     def _incumbent_level(self, incumbent: TuningConfig, opt: Option) -> float:
         vals = [
@@ -111,24 +118,46 @@ class Racing:
         ]
         return statistics.median(vals) if vals else 0.0
 
+    def _opt_sigma(self, incumbent: TuningConfig, opt: Option) -> float:
+        """One step's spread of ``opt``'s slots (ms): the search's pooled relative spread times each slot's level
+        under the incumbent, slots independent. Pooled in ms over slots of 3 and 6 ms, the spread of the larger slot
+        was understated, and on equal simulated worlds 10% of the leaders re-checked beat the incumbent by 2 of
+        these standard errors (2.3% expected): the false winners of issue 46."""
+        key = ("opt_sigma", incumbent, self._slots_of(opt), len(self.trials))
+        if key not in self._cache:
+            levels = [self._slot_level(incumbent, s) for s in self._slots_of(opt)]
+            self._cache[key] = self._sigma() * math.sqrt(sum(v * v for v in levels))
+        return self._cache[key]
+
+    def _slot_level(self, incumbent: TuningConfig, slot: str) -> float:
+        key = ("slot_level", incumbent, slot, len(self.trials))
+        if key not in self._cache:
+            vals = [v for t in self._incumbent_trials(incumbent) for v in t.slot_samples.get(slot, [])]
+            self._cache[key] = statistics.median(vals) if vals else 0.0
+        return self._cache[key]
+
     def _gain_bounds(
-        self, incumbent: TuningConfig, opt: Option, entries: list[tuple[Trial, list[float]]], sigma: float
+        self, incumbent: TuningConfig, opt: Option, entries: list[tuple[Trial, list[float]]]
     ) -> tuple[float, float, int] | None:
-        """(gain estimate, its standard error, samples) from ``entries``; gain in ms, positive: faster."""
-        rel = self._relative(incumbent, opt, entries)
+        """(gain estimate, its standard error, samples) from ``entries``; gain in ms, positive: faster. The estimate
+        is the median of all relative samples (variance pi/2 of a mean's), each trial's shifted by the incumbent's
+        interpolated level there (its variance weighted by the trial's share of the samples)."""
+        per = self._relative_trials(incumbent, opt, entries)
+        rel = [v for diffs, _ in per for v in diffs]
         if not rel:
             return None
-        n_inc = self._bracket_samples(incumbent, [t for t, _ in entries])
-        se = sigma * len(self._slots_of(opt)) ** 0.5 * (1 / len(rel) + 1 / n_inc) ** 0.5
-        return -statistics.median(rel), se, len(rel)
+        n = len(rel)
+        var = 1 / n + sum((len(d) / n) ** 2 * vr for d, vr in per)
+        se = self._opt_sigma(incumbent, opt) * math.sqrt(math.pi / 2 * var)
+        return -statistics.median(rel), se, n
 
-    def _settle(self, incumbent: TuningConfig, race: Race, sigma: float) -> dict[str, tuple[Option, float, float]]:
+    def _settle(self, incumbent: TuningConfig, race: Race) -> dict[str, tuple[Option, float, float]]:
         """Settles what the samples rule out; returns per GEMM its leader (option, gain, se). An option is settled
         when its gain + z se cannot beat the incumbent nor the leader's gain - z se; the leader, when nothing else
         of its GEMM is unsettled and it is beyond the noise either way. Only a re-measured option settles: one
         screened step, at one moment, can be a slow one."""
         z = self.opt.z
-        bounds = {o: b for o, e in race.raw.items() if (b := self._gain_bounds(incumbent, o, e, sigma))}
+        bounds = {o: b for o, e in race.raw.items() if (b := self._gain_bounds(incumbent, o, e))}
         leaders: dict[str, tuple[Option, float, float]] = {}
         for o, (g, se, _) in bounds.items():
             if o.gemm not in leaders or g > leaders[o.gemm][1]:
@@ -138,7 +167,7 @@ class Racing:
             lead = leaders.get(o.gemm)
             if o not in bounds:  # screened only: its optimistic gain from that one step
                 s = race.screened.get(o)
-                ucb = (-statistics.median(s) + z * sigma * 2**0.5) if s else math.inf
+                ucb = (-statistics.median(s) + z * self._opt_sigma(incumbent, o) * 2**0.5) if s else math.inf
             else:
                 g, se, n = bounds[o]
                 ucb = g + z * se
@@ -180,7 +209,9 @@ class Racing:
                 return Work()
             b = self.block_steps
             runoff = (o.select_passes - 1) * (min(o.runoff, contenders) + 1)
-            w = decision() + check + Work(runoff * (b + o.warmup_steps), runoff) + self.recheck_work()
+            w = decision() + check + Work(runoff * (b + o.warmup_steps), runoff)
+            for _ in range(RECHECKS):
+                w = w + self.recheck_work()
             # optional work is priced with care: the reserve at the search's mean seconds per step so far where that
             # is more (a clock whose steps cost more than their GPU time: priced by the model alone, the racing
             # left the decision one selection block, "the budget ran out before any candidate was measured")
@@ -193,14 +224,17 @@ class Racing:
         )
         worth = o.rel_floor * self._step_level(incumbent)
         while not untried and race.unsettled:
-            self._settle(incumbent, race, self._sigma())
+            self._settle(incumbent, race)
             if race.upside_ms < worth:
                 break
             # later the least measured first (the best-screened among equals)
             queue = sorted(race.unsettled, key=lambda x: self._queue_key(x, race))
+            # these rounds end at the reserve by design (race.ended says so): the budget has not cut the search short
+            hit = self.budget_hit, self.limit_hit
             untried = self._measure_options("halving", incumbent, queue, o.halving_steps, race.raw, full)
+            self.budget_hit, self.limit_hit = hit
             race.rounds += 1
-        self._settle(incumbent, race, self._sigma())
+        self._settle(incumbent, race)
         if untried or (race.unsettled and race.upside_ms >= worth):
             race.ended = (
                 f"the budget ({o.budget_text()}) ended the re-measurement: {len(race.raw)} of {len(screened)} "
@@ -225,9 +259,16 @@ class Racing:
         return sum(len(s) for _, s in race.raw.get(x, [])), statistics.median(race.screened[x])
 
     def _sigma(self) -> float:
+        """The pooled relative spread of one step of a slot (positional: see :func:`stats.pooled_sigma`)."""
         key = ("sigma", len(self.trials))
         if key not in self._cache:
-            self._cache[key] = pooled_sigma([v for t in self.trials for v in t.slot_samples.values()], positional=True)
+            groups = [
+                [x / m for x in v]
+                for t in self.trials
+                for v in t.slot_samples.values()
+                if v and (m := statistics.median(v)) > 0
+            ]
+            self._cache[key] = pooled_sigma(groups, positional=True)
         return self._cache[key]
 
     def _step_level(self, incumbent: TuningConfig) -> float:
@@ -263,6 +304,19 @@ class Racing:
                 else ""
             )
         )
+
+    def _inconclusive(self, incumbent: TuningConfig, opt: Option, entries: list[tuple[Trial, list[float]]]) -> bool:
+        """Whether ``entries`` put ``opt`` ahead of the incumbent but not beyond the noise (:meth:`_threshold`)."""
+        b = self._gain_bounds(incumbent, opt, entries)
+        return b is not None and 0 < b[0] <= self._threshold(incumbent, opt, b[1])
+
+    def _beyond_noise(self, incumbent: TuningConfig, opt: Option, entries: list[tuple[Trial, list[float]]]) -> bool:
+        b = self._gain_bounds(incumbent, opt, entries) if entries else None
+        return b is not None and b[0] - self.opt.z * b[1] > 0
+
+    def _threshold(self, incumbent: TuningConfig, opt: Option, se: float) -> float:
+        """The gain a re-checked leader must beat: z standard errors, and a gain worth a switch."""
+        return max(self.opt.z * se, self.opt.rel_floor * self._incumbent_level(incumbent, opt))
 
     def recheck_work(self) -> Work:
         """The fresh re-measurement of each GEMM's leader: a leading bracket, a trial per GEMM of the fullest
