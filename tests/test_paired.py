@@ -46,17 +46,20 @@ def test_interval_covers_zero_gain_at_its_level():
     assert false / 4000 <= 0.025 + 0.006  # one-sided error of a 95% two-sided interval
 
 
-def test_decision_rule_on_ten_simulated_runs():
-    """The decision rule on simulated runs with known costs (not a timing test), seeds 0-9 of every scenario: these
-    runs are deterministic, and in each the search takes >= 98% of the available gain (0.5-5% of the step) on
-    average, is never slower than the reference, and names no false winner where every config costs the same. The
-    200-seed table is the simulator's own (`python -m megatron_tp_overlap.tools.research.decision_sim --seeds 200`,
-    benchmarks/results/2026-11-23_cpu/decision_sim.md)."""
-    res = decision_sim.evaluate_rule(10)
+def test_decision_rule_on_four_simulated_runs():
+    """The decision rule on simulated runs with known costs (not a timing test), seeds 0-3 of every scenario (10 before
+    issue 46: its search spends the rest of the budget, each run costs over twice the CPU): these
+    runs are deterministic, and in each the search takes all of the available gain (0.5-5% of the step) in every
+    seed, is never slower than the reference, names no false winner where every config costs the same, and stays
+    within its budget. The 200-seed table is the simulator's own (`python -m
+    megatron_tp_overlap.tools.research.decision_sim --seeds 200`, benchmarks/results/2026-11-25_cpu/decision_sim/)."""
+    res = decision_sim.evaluate_rule(4)
     for scenario, r in res.items():
         assert r["realized_mean"] >= 0.98, (scenario, r)
+        assert r["realized_min"] == 1.0, (scenario, r)  # issue 46: every seed, not the mean (its bar: >= 80%)
         assert r["worst_excess_pct"] == 0.0, (scenario, r)
         assert r["false_winner_rate"] == 0.0, (scenario, r)
+        assert r["seconds_max"] <= r["budget_s"], (scenario, r)
 
 
 def test_the_tuner_lands_within_1pct_of_the_slot_exhaustive_search_within_its_budget():
@@ -65,7 +68,7 @@ def test_the_tuner_lands_within_1pct_of_the_slot_exhaustive_search_within_its_bu
     disturbances: 2% i.i.d. noise and the oscillation measured in real Megatron iterations. Issue 19 also asked for
     half of the exhaustive search's steps (169 of 336); issue 46 spends the rest of the 60 s budget where gain can
     still be found, so the bar on steps is the budget."""
-    res = decision_sim.evaluate_rule(20, ("iid", "locked"), vs_exhaustive=True)  # 40 seeds: the simulator's table
+    res = decision_sim.evaluate_rule(10, ("iid", "locked"), vs_exhaustive=True)  # 20 seeds (40 before issue 46)
     for scenario, r in res.items():
         assert r["vs_exhaustive_beyond_1pct"] == 0, (scenario, r)
         assert r["seconds_max"] <= r["budget_s"], (scenario, r)

@@ -167,7 +167,7 @@ class FinalDecision:
             if not self._can_afford(self.block_steps, reserve + Work(rest * (self.block_steps + o.warmup_steps), rest)):
                 return False
         for c in plan:
-            if ref.samples and not self._can_afford(self.block_steps, reserve):
+            if (c is not ref or ref.samples) and not self._can_afford(self.block_steps, reserve):
                 if stop_short:
                     return False
                 continue

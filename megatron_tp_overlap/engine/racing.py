@@ -9,8 +9,9 @@ each GEMM before the rest), and after each round an option is *settled* when its
 standard errors) cannot beat the incumbent or the leader of its GEMM; the unsettled run again. The rounds end at the
 budget, when every option left has ``race_samples`` samples (equal options never separate), or early: when what the
 unsettled options could still add, summed over GEMMs, is below a gain worth a switch (``rel_floor`` of the step).
-Each GEMM's leader is then re-measured afresh (``recheck_steps``) and only those fresh samples accept it, so that the
-luckiest of many estimates (the winner's curse) does not decide; the final ABBA decision still guards the result.
+Each GEMM's leader is then re-measured afresh (``recheck_steps``; again while inconclusive, ``RECHECKS`` looks at
+most) and only fresh samples accept it, so that the luckiest of many estimates (the winner's curse) does not decide;
+the final ABBA decision still guards the result.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from megatron_tp_overlap.engine.space import Option, TuningConfig
-from megatron_tp_overlap.engine.stats import pooled_sigma
 from megatron_tp_overlap.engine.trial import Trial, Work
 
 Raw = dict[Option, list[tuple[Trial, list[float]]]]
@@ -259,16 +259,33 @@ class Racing:
         return sum(len(s) for _, s in race.raw.get(x, [])), statistics.median(race.screened[x])
 
     def _sigma(self) -> float:
-        """The pooled relative spread of one step of a slot (positional: see :func:`stats.pooled_sigma`)."""
+        """The pooled relative spread of one step of a slot: :func:`stats.pooled_sigma` (positional) of every trial's
+        slot samples scaled to their median, each trial's differences computed once (every round pools them all)."""
         key = ("sigma", len(self.trials))
         if key not in self._cache:
-            groups = [
-                [x / m for x in v]
-                for t in self.trials
-                for v in t.slot_samples.values()
-                if v and (m := statistics.median(v)) > 0
-            ]
-            self._cache[key] = pooled_sigma(groups, positional=True)
+            pairs = [p for t in self.trials for p in self._trial_diffs(t)]
+            rel: dict[tuple[int, int], list[float]] = {}
+            for k, r, _, _ in pairs:
+                rel.setdefault(k, []).append(r)
+            shared = {k: statistics.median(v) if len(v) >= 3 else 0.0 for k, v in rel.items()}
+            diffs = [abs(d - shared[k] * level) / math.sqrt(2) for k, _, d, level in pairs]
+            self._cache[key] = 1.4826 * statistics.median(diffs) if diffs else 0.0
+        return self._cache[key]
+
+    def _trial_diffs(self, t: Trial) -> list[tuple[tuple[int, int], float, float, float]]:
+        """Per consecutive pair of each slot's samples scaled to their median: (group length, position), relative
+        difference, difference, level (what :func:`stats.pooled_sigma` computes per group, in its arithmetic)."""
+        key = ("diffs", t.index)
+        if key not in self._cache:
+            out = []
+            for v in t.slot_samples.values():
+                if not v or (m := statistics.median(v)) <= 0:
+                    continue
+                g = [x / m for x in v]
+                level = statistics.median(g)
+                if level > 0:
+                    out += [((len(g), i), (b - a) / level, b - a, level) for i, (a, b) in enumerate(zip(g, g[1:]))]
+            self._cache[key] = out
         return self._cache[key]
 
     def _step_level(self, incumbent: TuningConfig) -> float:
@@ -321,6 +338,11 @@ class Racing:
     def recheck_work(self) -> Work:
         """The fresh re-measurement of each GEMM's leader: a leading bracket, a trial per GEMM of the fullest
         slot, and their brackets."""
+        if ("recheck_work",) not in self._cache:
+            self._cache[("recheck_work",)] = self._recheck_work()
+        return self._cache[("recheck_work",)]
+
+    def _recheck_work(self) -> Work:
         per_slot = max((len(g) for g in self.topo.slots().values()), default=1)
         trials = 1 + per_slot + math.ceil(per_slot / self.opt.bracket_every)
         return Work(trials * (self.opt.recheck_steps + self.opt.warmup_steps), trials)
