@@ -40,6 +40,12 @@ class Budget:
         idle GPU after it) plus the search's own work between trials. Priced at screening's seconds per step
         instead (its 3-step trials each switch), the final decision (half of its trials continue a config) cost
         twice its real time and the budget ended the search early on real H200 steps of 75 ms."""
+        key = ("rates", len(self._spent), self.elapsed_s, self.steps_run)
+        if key not in self._cache:
+            self._cache[key] = self._measured_rates()
+        return self._cache[key]
+
+    def _measured_rates(self) -> tuple[float, float, float]:
         timed = [(i, n, sw, sec, ms) for i, (n, sw, sec, ms) in enumerate(self._spent) if sec > 0]
         if not any(ms > 0 for *_, ms in timed):
             per_step = self.elapsed_s / self.steps_run if self.steps_run else 0.0

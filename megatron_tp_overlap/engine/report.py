@@ -124,6 +124,8 @@ def build_report(result: SearchResult, topo: Topology, meta: dict[str, Any]) -> 
             "budget_hit": result.budget_hit,
             "cut_short": result.cut_short,
         },
+        # per slot: options screened, re-measured, re-checked, and what the search left (engine/racing.py)
+        "search": {"ended": result.search_end, "per_slot": result.coverage},
         "trials": [t.to_dict() for t in result.trials],
     }
 

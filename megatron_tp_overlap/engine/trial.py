@@ -57,7 +57,9 @@ class SearchOptions:
     screen_steps: int = 1  # measured steps per screening trial
     warmup_steps: int = 1  # after each switch
     keep: int = 1  # options per GEMM that survive screening
-    halving_steps: int = 4
+    halving_steps: int = 4  # measured steps per trial of the racing rounds (engine/racing.py)
+    race_samples: int = 24  # an option measured this often settles (options of equal cost never separate)
+    recheck_steps: int = 8  # fresh steps of each GEMM's leader, the only ones that accept it
     bracket_every: int = 4  # the incumbent runs again after this many trials (drift is interpolated between)
     block_steps: int = 3  # measured steps per block of the final decision (block value: their median); fewer
     # when the decision would take more than half the budget
@@ -69,7 +71,9 @@ class SearchOptions:
     select_passes: int = 3
     runoff: int = 3
     level: float = 0.95  # confidence of the final decision's interval
-    z: float = 2.0  # per-GEMM gains must exceed z standard errors
+    # per-GEMM gains must exceed z standard errors: 2.5, since up to 12 GEMMs' leaders are re-checked, an inconclusive
+    # one twice (at 2.0, 31 of 100 equal simulated worlds accepted a choice, at 2.5, 13; issue 46)
+    z: float = 2.5
     rel_floor: float = 0.002  # ... and this fraction of the time
     max_exhaustive: int = 512
 
@@ -82,6 +86,8 @@ class SearchOptions:
             "screen_steps",
             "keep",
             "halving_steps",
+            "race_samples",
+            "recheck_steps",
             "bracket_every",
             "block_steps",
             "select_passes",
@@ -122,7 +128,7 @@ class SearchOptions:
 @dataclass
 class Trial:
     index: int
-    phase: str  # baseline | screen | halving | confirm | exhaustive
+    phase: str  # baseline | bracket | screen | halving | recheck | select | confirm | exhaustive
     config: TuningConfig
     tested: dict[str, str]  # slot -> option label tried in this trial ("incumbent" for baselines)
     slot_ms: dict[str, float] = field(default_factory=dict)  # median per slot
@@ -176,3 +182,5 @@ class SearchResult:
     # budget's resolution): the run keeps the reference, and an in-run verification can settle it on real iterations
     undecided: TuningConfig | None = None
     cut_short: str | None = None  # what the budget left unmeasured in the search (None: it ran to the end)
+    search_end: str = ""  # why the re-measurement rounds ended (the budget, or an early stop and why)
+    coverage: dict[str, dict] = field(default_factory=dict)  # per slot: what was tried and what was left

@@ -343,6 +343,7 @@ class Autotuner(NumericsGuard):
             self.progress,
             verify=self.verify if self.verify_fn is not None else None,
             elapsed=lambda: self._agreed_elapsed,
+            log=self.log,
         )
         searcher.report_only = frozenset(outside_mode | (set() if self.no_overlap_eligible else {"no overlap"}))
         searcher.switch_sets = dict(self.switch_sets)

@@ -39,6 +39,7 @@ TOPO = Topology(
     active=frozenset(f"{m}_{p}" for m in ("qkv", "proj", "fc1", "fc2") for p in ("fprop", "dgrad", "wgrad")),
     layers=4,
 )
+SLOTS = TOPO.slots()
 STEP_MS = 100.0  # reference step
 GEMM_MS = 3.0  # each of the 12 GEMMs (+ its communication) under the reference: 36 ms of the step in slots
 OFF_MS = 4.5  # a GEMM with overlap off
@@ -113,10 +114,12 @@ def disturbance(
 
 
 class SimulatedRun:
-    """``evaluate`` for the searcher: steps of a config under the scenario's disturbances. Seconds = steps x 0.1."""
+    """``evaluate`` for the searcher: steps of a config under the scenario's disturbances. Seconds = steps x 0.1 (a
+    100 ms step, warm-ups included; no switch or host cost), so the 60 s budget holds 600 steps."""
 
     def __init__(self, world: World, scenario: str, rng: random.Random, span_steps: int = DISTURBED_STEPS):
         self.world, self.rng, self.i, self.since, self.live = world, rng, 0, 0, None
+        self.costs: dict[TuningConfig, dict[str, float]] = {}
         phase = rng.uniform(0, 2 * math.pi) if scenario == "power" else 0.0  # where in its period the run starts
         self.disturb = disturbance(scenario, span_steps, phase)
 
@@ -125,13 +128,16 @@ class SimulatedRun:
             self.live, self.since = config, 0
         self.i += warmup
         self.since += warmup
-        slots: dict[str, list[float]] = {s: [] for s in TOPO.slots()}
+        if config not in self.costs:  # the true ms per slot (the search's many trials repeat configs)
+            self.costs[config] = {s: sum(self.world.gemm_ms(g, config) for g in gs) for s, gs in SLOTS.items()}
+        cost = self.costs[config]
+        slots: dict[str, list[float]] = {s: [] for s in SLOTS}
         step_ms = []
         for _ in range(steps):
             factor, host, noise = self.disturb(self.i, self.since, self.rng)
             total = 0.0
-            for s, gemms in TOPO.slots().items():
-                v = factor * sum(self.world.gemm_ms(g, config) for g in gemms) * (1 + self.rng.gauss(0, noise))
+            for s in SLOTS:
+                v = factor * cost[s] * (1 + self.rng.gauss(0, noise))
                 slots[s].append(v)
                 total += v
             step_ms.append(total + factor * (STEP_MS - 12 * GEMM_MS) + host + self.rng.gauss(0, 0.002 * STEP_MS))
@@ -147,6 +153,7 @@ class Outcome:
     false_winner: bool
     steps: int
     chosen_ms: float = math.nan  # the chosen config's true step time
+    seconds: float = 0.0  # the search's time on the simulated clock (0.1 s per step: SimulatedRun)
 
 
 def best_config(world: World, space: dict[str, list[Option]], ref: TuningConfig) -> TuningConfig:
@@ -198,7 +205,9 @@ def run_once(
         world.step_ms(best_config(world, space, ref)),
     )
     realized = (ref_ms - chosen_ms) / (ref_ms - best_ms) if ref_ms > best_ms else math.nan
-    return Outcome(realized, chosen_ms / ref_ms - 1, res.best_name != "reference", res.steps_run, chosen_ms)
+    return Outcome(
+        realized, chosen_ms / ref_ms - 1, res.best_name != "reference", res.steps_run, chosen_ms, res.elapsed_s
+    )
 
 
 def evaluate_rule(
@@ -223,6 +232,9 @@ def evaluate_rule(
             "worst_excess_pct": 100 * max(o.excess for o in gains + equal),
             "false_winner_rate": sum(o.false_winner for o in equal) / len(equal),
             "steps_median": statistics.median(o.steps for o in gains + equal),
+            "seconds_median": statistics.median(o.seconds for o in gains + equal),
+            "seconds_max": max(o.seconds for o in gains + equal),
+            "budget_s": (options or SearchOptions()).max_seconds,
         }
         if vs_exhaustive:
             ex = [run_once(sc, gain_of[s], 1000 + s, BENCHMARK_EXHAUSTIVE, preset) for s in range(seeds)]
@@ -261,14 +273,18 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, TypeError) as e:
         p.error(f"--set {' '.join(a.set)}: {e}")
     res = evaluate_rule(a.seeds, a.scenarios, options, vs_exhaustive=a.vs_exhaustive, preset=a.preset)
-    head = f"{'scenario':10} {'realized mean':>14} {'realized min':>13} {'worst vs ref':>13} {'false winners':>14} {'steps':>6}"
+    head = (
+        f"{'scenario':10} {'realized mean':>14} {'realized min':>13} {'worst vs ref':>13} {'false winners':>14} "
+        f"{'steps':>6} {'tuning s (median / max / budget)':>33}"
+    )
     if a.vs_exhaustive:
         head += f" {'vs exh. mean':>13} {'vs exh. worst':>14} {'>1% worse':>10} {'steps/exh.':>11}"
     print(head)
     for sc, r in res.items():
         line = (
             f"{sc:10} {100 * r['realized_mean']:13.1f}% {100 * r['realized_min']:12.1f}% "
-            f"{r['worst_excess_pct']:+12.2f}% {100 * r['false_winner_rate']:13.1f}% {r['steps_median']:6.0f}"
+            f"{r['worst_excess_pct']:+12.2f}% {100 * r['false_winner_rate']:13.1f}% {r['steps_median']:6.0f} "
+            f"{r['seconds_median']:14.1f} / {r['seconds_max']:5.1f} / {r['budget_s']:g}"
         )
         if a.vs_exhaustive:
             line += (

@@ -1,0 +1,369 @@
+"""Racing: after screening, the rest of the budget goes where gain can still be found. A mixin of
+:class:`~engine.search.Searcher` (its trial runner, budget and per-option scoring).
+
+One screened step per option ranks but cannot rule out: a slow step (a GC, the power limit's clocks) hides a
+gain of a few % of a GEMM, and on 200 simulated seeds the old search (the best screened option per GEMM re-measured
+once) left up to 89% of the available gain behind while two thirds of its budget went unused (issue 46). So every
+option is re-measured in rounds of ``halving_steps``-step trials (the most promising first, the best-screened of
+each GEMM before the rest), and after each round an option is *settled* when its optimistic gain (estimate + z
+standard errors) cannot beat the incumbent or the leader of its GEMM; the unsettled run again. The rounds end at the
+budget, when every option left has ``race_samples`` samples (equal options never separate), or early: when what the
+unsettled options could still add, summed over GEMMs, is below a gain worth a switch (``rel_floor`` of the step).
+Each GEMM's leader is then re-measured afresh (``recheck_steps``; again while inconclusive, ``RECHECKS`` looks at
+most) and only fresh samples accept it, so that the luckiest of many estimates (the winner's curse) does not decide;
+the final ABBA decision still guards the result.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from megatron_tp_overlap.engine.space import Option, TuningConfig
+from megatron_tp_overlap.engine.trial import Trial, Work
+
+Raw = dict[Option, list[tuple[Trial, list[float]]]]
+RECHECKS = 3  # fresh looks at a GEMM's leader at most (the 2nd and 3rd only while inconclusive: search.py)
+JUMP = 0.1  # a change of the incumbent's level between two of its trials beyond which the trials between are unknown
+
+
+@dataclass
+class Race:
+    """What the racing rounds know and left: per option its relative samples (ms, negative: faster than the
+    incumbent), and the options still unsettled when the rounds ended."""
+
+    screened: dict[Option, list[float]]
+    raw: Raw = field(default_factory=dict)  # option -> [(trial, per-step score)] of the racing rounds
+    rounds: int = 0
+    # the options still open, in the search's order (a dict, not a set: a set's order follows string hashes, which
+    # differ between processes, and every rank must pack the same trials)
+    unsettled: dict[Option, None] = field(default_factory=dict)
+    upside_ms: float = math.inf  # what the unsettled could still add over the leaders, summed over GEMMs
+    ended: str = ""  # why the rounds ended, in one line
+
+
+class Racing:
+    """The racing rounds and the per-slot account of what was tried and left (mixin); each option is scored against
+    the incumbent at the same moment."""
+
+    def _incumbent_trials(self, incumbent: TuningConfig, steps: int | None = None) -> list[Trial]:
+        """The incumbent's own trials; ``steps``: those of that many measured steps when there are any (compared at
+        the same positions after a switch: a 1-step screening bracket that caught a slow step biased every 4-step
+        option after it by that step)."""
+        key = (incumbent, steps, len(self.trials))
+        if key not in self._cache:
+            inc = [
+                t for t in self.trials if t.phase in ("baseline", "bracket") and not t.error and t.config == incumbent
+            ]
+            same = [t for t in inc if len(t.step_samples) == steps]
+            self._cache[key] = same or inc
+        return self._cache[key]
+
+    def _relative(self, incumbent: TuningConfig, opt: Option, entries: list[tuple[Trial, list[float]]]) -> list[float]:
+        """Per-step ms of ``opt``'s slots minus the incumbent's at the same moment (interpolated between the
+        incumbent trials around it): negative is faster; drift between trials cancels."""
+        return [v for diffs, _ in self._relative_trials(incumbent, opt, entries) for v in diffs]
+
+    def _relative_trials(
+        self, incumbent: TuningConfig, opt: Option, entries: list[tuple[Trial, list[float]]]
+    ) -> list[tuple[list[float], float]]:
+        """Per trial of ``entries``: its relative samples (:meth:`_relative`) and the variance of the incumbent's
+        interpolated level there, in units of one sample's: ``w^2 / n0 + (1 - w)^2 / n1`` for the weights and sample
+        counts of the incumbent trials on either side (a trial right after a bracket leans on that bracket alone)."""
+        slots = self._slots_of(opt)
+        out = []
+        for t, score in entries:
+            n = len(t.step_samples)
+            key = ("track", incumbent, slots, n, len(self.trials))
+            if key not in self._cache:
+                level = lambda x: statistics.median(v) if (v := self._score(x.slot_samples, slots)) else None  # noqa: E731
+                inc = self._incumbent_trials(incumbent, n)
+                pts = sorted((x.position, v, len(x.step_samples)) for x in inc if (v := level(x)) is not None)
+                self._cache[key] = (self._track(inc, level), pts)
+            track, pts = self._cache[key]
+            if n > 1 and self._jumped(pts, t.position):
+                continue  # the incumbent changed suddenly around this trial: what it did at that moment is unknown
+            ref = track(t.position)
+            if not math.isnan(ref):
+                out.append(([v - ref for v in score], self._ref_var(pts, t.position)))
+        return out
+
+    @staticmethod
+    def _ref_var(pts: list[tuple[float, float, int]], position: float) -> float:
+        before = [(p, k) for p, _, k in pts if p <= position]
+        after = [(p, k) for p, _, k in pts if p > position]
+        if not (before and after):
+            return 1 / max(1, (before or after)[-1 if before else 0][1])
+        (p0, n0), (p1, n1) = before[-1], after[0]
+        w = (p1 - position) / (p1 - p0) if p1 > p0 else 0.5
+        return w * w / max(1, n0) + (1 - w) * (1 - w) / max(1, n1)
+
+    @staticmethod
+    def _jumped(pts: list[tuple[float, float, int]], position: float) -> bool:
+        """Whether the incumbent trials on either side of ``position`` differ by more than ``JUMP`` of its level: a
+        sudden change (+25% for a stretch) between them leaves every re-measurement in between compared with a
+        level the incumbent never had (on 40 simulated seeds the worst kept 42% of the gain); such a trial's
+        samples are left out, and the option, less measured, runs again in the next round."""
+        before = [v for p, v, _ in pts if p < position]
+        after = [v for p, v, _ in pts if p > position]
+        return bool(before and after) and abs(after[0] - before[-1]) > JUMP * max(after[0], before[-1])
+
+    def _incumbent_level(self, incumbent: TuningConfig, opt: Option) -> float:
+        vals = [
+            v
+            for t in self._incumbent_trials(incumbent)
+            for v in (self._score(t.slot_samples, self._slots_of(opt)) or [])
+        ]
+        return statistics.median(vals) if vals else 0.0
+
+    def _opt_sigma(self, incumbent: TuningConfig, opt: Option) -> float:
+        """One step's spread of ``opt``'s slots (ms): the search's pooled relative spread times each slot's level
+        under the incumbent, slots independent. Pooled in ms over slots of 3 and 6 ms, the spread of the larger slot
+        was understated, and on equal simulated worlds 10% of the leaders re-checked beat the incumbent by 2 of
+        these standard errors (2.3% expected): the false winners of issue 46."""
+        key = ("opt_sigma", incumbent, self._slots_of(opt), len(self.trials))
+        if key not in self._cache:
+            levels = [self._slot_level(incumbent, s) for s in self._slots_of(opt)]
+            self._cache[key] = self._sigma() * math.sqrt(sum(v * v for v in levels))
+        return self._cache[key]
+
+    def _slot_level(self, incumbent: TuningConfig, slot: str) -> float:
+        key = ("slot_level", incumbent, slot, len(self.trials))
+        if key not in self._cache:
+            vals = [v for t in self._incumbent_trials(incumbent) for v in t.slot_samples.get(slot, [])]
+            self._cache[key] = statistics.median(vals) if vals else 0.0
+        return self._cache[key]
+
+    def _gain_bounds(
+        self, incumbent: TuningConfig, opt: Option, entries: list[tuple[Trial, list[float]]]
+    ) -> tuple[float, float, int] | None:
+        """(gain estimate, its standard error, samples) from ``entries``; gain in ms, positive: faster. The estimate
+        is the median of all relative samples (variance pi/2 of a mean's), each trial's shifted by the incumbent's
+        interpolated level there (its variance weighted by the trial's share of the samples)."""
+        per = self._relative_trials(incumbent, opt, entries)
+        rel = [v for diffs, _ in per for v in diffs]
+        if not rel:
+            return None
+        n = len(rel)
+        var = 1 / n + sum((len(d) / n) ** 2 * vr for d, vr in per)
+        se = self._opt_sigma(incumbent, opt) * math.sqrt(math.pi / 2 * var)
+        return -statistics.median(rel), se, n
+
+    def _settle(self, incumbent: TuningConfig, race: Race) -> dict[str, tuple[Option, float, float]]:
+        """Settles what the samples rule out; returns per GEMM its leader (option, gain, se). An option is settled
+        when its gain + z se cannot beat the incumbent nor the leader's gain - z se; the leader, when nothing else
+        of its GEMM is unsettled and it is beyond the noise either way. Only a re-measured option settles: one
+        screened step, at one moment, can be a slow one."""
+        z = self.opt.z
+        bounds = {o: b for o, e in race.raw.items() if (b := self._gain_bounds(incumbent, o, e))}
+        leaders: dict[str, tuple[Option, float, float]] = {}
+        for o, (g, se, _) in bounds.items():
+            if o.gemm not in leaders or g > leaders[o.gemm][1]:
+                leaders[o.gemm] = (o, g, se)
+        upside: dict[str, float] = {}
+        for o in list(race.unsettled):
+            lead = leaders.get(o.gemm)
+            if o not in bounds:  # screened only: its optimistic gain from that one step
+                s = race.screened.get(o)
+                ucb = (-statistics.median(s) + z * self._opt_sigma(incumbent, o) * 2**0.5) if s else math.inf
+            else:
+                g, se, n = bounds[o]
+                ucb = g + z * se
+                floor = 0.0 if lead is None or lead[0] == o else lead[1] - z * lead[2]
+                if ucb <= max(0.0, floor) or n >= self.opt.race_samples:
+                    race.unsettled.pop(o, None)
+                    continue
+            held = max(0.0, lead[1]) if lead else 0.0
+            upside[o.gemm] = max(upside.get(o.gemm, 0.0), ucb - held)
+        for gemm, (o, g, se) in leaders.items():  # a leader alone, beyond the noise either way, is settled
+            alone = not any(x.gemm == gemm and x != o for x in race.unsettled)
+            if o in race.unsettled and alone and (g - z * se > 0 or g + z * se <= 0):
+                race.unsettled.pop(o, None)
+                upside.pop(gemm, None)
+        race.upside_ms = sum(upside.values())
+        return leaders
+
+    def _race(
+        self,
+        incumbent: TuningConfig,
+        options: list[Option],
+        screened: dict[Option, list[float]],
+        decision: Callable[[], Work],
+        contenders: int,
+    ) -> Race:
+        """The racing rounds. The best-screened ``keep`` of each GEMM are re-measured first, keeping only the final
+        decision in reserve, as the search before racing did; every further measurement also keeps the numerics
+        check, the leaders' re-check and the selection round's runoff in reserve."""
+        o = self.opt
+        race = Race(screened, unsettled=dict.fromkeys(x for x in options if x in screened))
+        rank = {}
+        for gemm in dict.fromkeys(x.gemm for x in race.unsettled):
+            mine = sorted((x for x in race.unsettled if x.gemm == gemm), key=lambda x: statistics.median(screened[x]))
+            rank.update({x: i for i, x in enumerate(mine)})
+        check = Work(2 * (1 + o.warmup_steps), 2) if self.verify else Work()
+
+        def full() -> Work:
+            if decision() == Work():  # not priced yet
+                return Work()
+            b = self.block_steps
+            runoff = (o.select_passes - 1) * (min(o.runoff, contenders) + 1)
+            w = decision() + check + Work(runoff * (b + o.warmup_steps), runoff)
+            for _ in range(RECHECKS):
+                w = w + self.recheck_work()
+            # optional work is priced with care: the reserve at the search's mean seconds per step so far where that
+            # is more (a clock whose steps cost more than their GPU time: priced by the model alone, the racing
+            # left the decision one selection block, "the budget ran out before any candidate was measured")
+            step_s, short = self._rates()[0], self.elapsed_s / max(1, self.steps_run) * w.steps - self._seconds(w)
+            return w + Work(math.ceil(short / step_s)) if step_s > 0 and short > 0 else w
+
+        first = [x for x in race.unsettled if rank[x] < o.keep]
+        untried = self._measure_options(
+            "halving", incumbent, sorted(first, key=rank.get), o.halving_steps, race.raw, decision
+        )
+        worth = o.rel_floor * self._step_level(incumbent)
+        while not untried and race.unsettled:
+            self._settle(incumbent, race)
+            if race.upside_ms < worth:
+                break
+            # later the least measured first (the best-screened among equals)
+            queue = sorted(race.unsettled, key=lambda x: self._queue_key(x, race))
+            # these rounds end at the reserve by design (race.ended says so): the budget has not cut the search short
+            hit = self.budget_hit, self.limit_hit
+            untried = self._measure_options("halving", incumbent, queue, o.halving_steps, race.raw, full)
+            self.budget_hit, self.limit_hit = hit
+            race.rounds += 1
+        self._settle(incumbent, race)
+        if untried or (race.unsettled and race.upside_ms >= worth):
+            race.ended = (
+                f"the budget ({o.budget_text()}) ended the re-measurement: {len(race.raw)} of {len(screened)} "
+                f"screened options re-measured, {len(race.unsettled)} left unsettled"
+            )
+        elif race.unsettled:
+            race.ended = (
+                f"[tp-overlap-autotune] search stops early at {self.elapsed_s:.1f} s of {o.max_seconds:g} s: the "
+                f"{len(race.unsettled)} options left cannot beat the incumbent by a gain worth a switch (together "
+                f"at most {race.upside_ms:.3f} ms per step, under {100 * o.rel_floor:g}% of a step = "
+                f"{worth:.3f} ms)"
+            )
+        else:
+            race.ended = (
+                f"[tp-overlap-autotune] search stops early at {self.elapsed_s:.1f} s of {o.max_seconds:g} s: every "
+                f"option is settled (none left can beat the incumbent by a gain worth a switch) after {race.rounds} "
+                "rounds of re-measurement"
+            )
+        return race
+
+    def _queue_key(self, x: Option, race: Race) -> tuple[int, float]:
+        return sum(len(s) for _, s in race.raw.get(x, [])), statistics.median(race.screened[x])
+
+    def _sigma(self) -> float:
+        """The pooled relative spread of one step of a slot: :func:`stats.pooled_sigma` (positional) of every trial's
+        slot samples scaled to their median, each trial's differences computed once (every round pools them all)."""
+        key = ("sigma", len(self.trials))
+        if key not in self._cache:
+            pairs = [p for t in self.trials for p in self._trial_diffs(t)]
+            rel: dict[tuple[int, int], list[float]] = {}
+            for k, r, _, _ in pairs:
+                rel.setdefault(k, []).append(r)
+            shared = {k: statistics.median(v) if len(v) >= 3 else 0.0 for k, v in rel.items()}
+            diffs = [abs(d - shared[k] * level) / math.sqrt(2) for k, _, d, level in pairs]
+            self._cache[key] = 1.4826 * statistics.median(diffs) if diffs else 0.0
+        return self._cache[key]
+
+    def _trial_diffs(self, t: Trial) -> list[tuple[tuple[int, int], float, float, float]]:
+        """Per consecutive pair of each slot's samples scaled to their median: (group length, position), relative
+        difference, difference, level (what :func:`stats.pooled_sigma` computes per group, in its arithmetic)."""
+        key = ("diffs", t.index)
+        if key not in self._cache:
+            out = []
+            for v in t.slot_samples.values():
+                if not v or (m := statistics.median(v)) <= 0:
+                    continue
+                g = [x / m for x in v]
+                level = statistics.median(g)
+                if level > 0:
+                    out += [((len(g), i), (b - a) / level, b - a, level) for i, (a, b) in enumerate(zip(g, g[1:]))]
+            self._cache[key] = out
+        return self._cache[key]
+
+    def _step_level(self, incumbent: TuningConfig) -> float:
+        vals = [v for t in self._incumbent_trials(incumbent) for v in t.step_samples]
+        return statistics.median(vals) if vals else 0.0
+
+    def _note_cut_short(
+        self,
+        n_options: int,
+        unscreened: int,
+        samples: dict[Option, list[float]],
+        race: Race,
+        rechecks: list,
+        missed: int,
+    ) -> None:
+        """Says what the budget left out of what it must not: every option screened, the best-screened of each GEMM
+        re-measured, each leader re-checked (the rest of the racing is what the budget allows)."""
+        firsts = {
+            min((x for x in samples if x.gemm == g), key=lambda x: statistics.median(samples[x]))
+            for g in {x.gemm for x in samples}
+        }
+        missed += sum(x not in race.raw for x in firsts)
+        if not (unscreened or missed):
+            return
+        per_trial = statistics.fmean(sec for *_, sec, _ in self._spent[1:] or self._spent) if self._spent else 0.0
+        self.cut_short = (
+            f"the budget ran out during the search: {n_options - unscreened} of {n_options} options "
+            f"screened, {len(firsts) + len(rechecks) - missed} of {len(firsts) + len(rechecks)} re-measured"
+            + (
+                f" (at {per_trial:.2f} s per trial the whole search needs about "
+                f"{self.planned_trials * per_trial:.0f} s: {self._raise_hint()}, or shorten the trial steps)"
+                if per_trial > 0
+                else ""
+            )
+        )
+
+    def _inconclusive(self, incumbent: TuningConfig, opt: Option, entries: list[tuple[Trial, list[float]]]) -> bool:
+        """Whether ``entries`` put ``opt`` ahead of the incumbent but not beyond the noise (:meth:`_threshold`)."""
+        b = self._gain_bounds(incumbent, opt, entries)
+        return b is not None and 0 < b[0] <= self._threshold(incumbent, opt, b[1])
+
+    def _beyond_noise(self, incumbent: TuningConfig, opt: Option, entries: list[tuple[Trial, list[float]]]) -> bool:
+        b = self._gain_bounds(incumbent, opt, entries) if entries else None
+        return b is not None and b[0] - self.opt.z * b[1] > 0
+
+    def _threshold(self, incumbent: TuningConfig, opt: Option, se: float) -> float:
+        """The gain a re-checked leader must beat: z standard errors, and a gain worth a switch."""
+        return max(self.opt.z * se, self.opt.rel_floor * self._incumbent_level(incumbent, opt))
+
+    def recheck_work(self) -> Work:
+        """The fresh re-measurement of each GEMM's leader: a leading bracket, a trial per GEMM of the fullest
+        slot, and their brackets."""
+        if ("recheck_work",) not in self._cache:
+            self._cache[("recheck_work",)] = self._recheck_work()
+        return self._cache[("recheck_work",)]
+
+    def _recheck_work(self) -> Work:
+        per_slot = max((len(g) for g in self.topo.slots().values()), default=1)
+        trials = 1 + per_slot + math.ceil(per_slot / self.opt.bracket_every)
+        return Work(trials * (self.opt.recheck_steps + self.opt.warmup_steps), trials)
+
+    def coverage(self, options: list[Option], race: Race, rechecked: set[Option]) -> dict[str, dict]:
+        """Per slot: how many options it has, how many were screened and re-measured (and how often), which leaders
+        were re-checked afresh, and which options were left unsettled or never measured."""
+        out: dict[str, dict] = {}
+        for slot, gemms in self.topo.slots().items():
+            mine = [x for x in options if x.gemm in gemms]
+            if not mine:
+                continue
+            label = lambda x: f"{x.gemm}: {x.label}"  # noqa: E731
+            out[slot] = {
+                "options": len(mine),
+                "screened": sum(x in race.screened for x in mine),
+                "re_measured": sum(x in race.raw for x in mine),
+                "re_measured_samples": sum(len(s) for x in mine for _, s in race.raw.get(x, [])),
+                "rechecked": sorted(label(x) for x in mine if x in rechecked),
+                "left_unsettled": sorted(label(x) for x in mine if x in race.unsettled and x in race.raw),
+                "never_measured": sorted(label(x) for x in mine if x not in race.screened),
+                "screened_only": sorted(label(x) for x in mine if x in race.screened and x not in race.raw),
+            }
+        return out

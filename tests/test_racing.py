@@ -1,0 +1,80 @@
+"""Racing (engine/racing.py): the rest of the budget goes where gain can still be found (issue 46). Exact outcomes of
+a few deterministic simulated searches (not timing tests)."""
+
+import random
+
+from test_search import CTX, Synthetic, setup
+
+from megatron_tp_overlap.engine.report import build_report
+from megatron_tp_overlap.engine.search import Searcher, SearchOptions
+from megatron_tp_overlap.engine.space import apply
+from megatron_tp_overlap.tools.research import decision_sim as sim
+
+
+def test_a_gain_the_old_search_left_behind_is_taken_in_full():
+    """decision_sim's periodic world, seed 14 (a 1% gain over 3 GEMMs): one screened step per option and a 1-step
+    bracket that caught the slow step made the old search keep 11.5% of the gain (the worst seed of its table); the
+    racing rounds re-measure every option and take all of it."""
+    gain = random.Random(14).uniform(0.005, 0.05)
+    out = sim.run_once("periodic", gain, 1000 + 14)
+    assert out.realized == 1.0 and out.excess < 0 and out.seconds <= 60
+
+
+def test_no_false_winner_in_equal_worlds_where_the_old_search_named_one():
+    """Every config costs the same: the old search named a winner on these seeds (jitter 176, iid 191 of its 200-seed
+    table). More measurements pick the luckiest of more estimates, so only a fresh re-check accepts a GEMM's leader,
+    and the final ABBA decision still guards the result."""
+    for scenario, seed in (("jitter", 176), ("iid", 191)):
+        out = sim.run_once(scenario, 0.0, 5000 + seed)
+        assert not out.false_winner and out.excess == 0.0 and out.seconds <= 60, (scenario, seed)
+
+
+def test_the_search_stops_early_only_when_nothing_left_can_pay_for_a_switch_and_says_so_once():
+    """Low noise: after a few rounds every option is settled, so the search ends long before its budget, in one
+    log line that says why; the report lists per slot what was screened, re-measured, re-checked and left."""
+    topo, space, ref, base = setup()
+    lines = []
+    res = Searcher(
+        topo, space, Synthetic(topo, noise=0.002), CTX, SearchOptions(max_seconds=120), log=lines.append
+    ).run(ref, base)
+    early = [x for x in lines if x.startswith("[tp-overlap-autotune] search stops early at ")]
+    assert len(early) == 1 and "worth a switch" in early[0] and early[0] == res.search_end
+    assert res.elapsed_s < 60 and not res.budget_hit and res.best_name == "autotuned"
+    per_slot = build_report(res, topo, {})["search"]["per_slot"]
+    opts = [x for v in space.values() for x in v if apply(ref, x, topo) != ref]  # the reference's own settings: none
+    n = {s: sum(x.gemm in g for x in opts) for s, g in topo.slots().items()}
+    assert {s: r["screened"] for s, r in per_slot.items()} == {s: v for s, v in n.items() if v}
+    assert all(r["re_measured"] == r["screened"] for r in per_slot.values())
+    # options of equal cost never separate: the report names the ones left, the line says they cannot pay
+    left = sum(len(r["left_unsettled"]) for r in per_slot.values())
+    assert f"the {left} options left cannot beat the incumbent by a gain worth a switch" in early[0]
+    assert all(not r["never_measured"] and not r["screened_only"] for r in per_slot.values())
+    assert sum(len(r["rechecked"]) for r in per_slot.values()) >= 1
+
+
+def test_the_worst_seeds_of_the_first_racing_table_take_their_gain_and_name_no_false_winner():
+    """The first racing table's failures (decision_sim, 200 seeds): iid seed 165 took none of a 0.58 ms gain (the
+    combined config was behind in its one selection block: it now runs the runoff), iid seed 43 took 78% (a 0.15 ms
+    gain in a 6 ms slot within the noise of 8 fresh steps: an inconclusive re-check looks again), and locked seed 23
+    and iid seed 102 named false winners (standard errors pooled in ms over 3 and 6 ms slots, with the interpolated
+    incumbent counted as 16 samples: 10% of re-checked leaders passed 2 of them where 2.3% should)."""
+    for scenario, seed in (("iid", 165), ("iid", 43)):
+        out = sim.run_once(scenario, random.Random(seed).uniform(0.005, 0.05), 1000 + seed)
+        assert out.realized == 1.0 and out.seconds <= 60, (scenario, seed, out)
+    for scenario, seed in (("locked", 23), ("iid", 102)):
+        out = sim.run_once(scenario, 0.0, 5000 + seed)
+        assert not out.false_winner and out.seconds <= 60, (scenario, seed, out)
+
+
+def test_a_config_faster_by_less_than_a_gain_worth_a_switch_is_not_named():
+    """One option 0.1 ms faster (0.1% of the step, half a gain worth a switch) in a world of 0.5% noise: the ABBA
+    interval excludes zero but not a gain worth a switch either way (in the position world 2 of 200 equal worlds
+    named such a winner, all 6 quadruples ahead by chance), so the reference is kept, and the reason says why."""
+    space = sim.build_space(sim.TOPO, sim.CTX, [sim.UbConfig()])
+    ref = sim.TuningConfig(sim.UbConfig(), frozenset(), "reference")
+    opt = next(o for o in space["fc1_fprop"] if o.enabled and o.cfg)
+    world = sim.World({("fc1_fprop", opt.cfg.describe()): sim.GEMM_MS - 0.1})
+    run = sim.SimulatedRun(world, "position", random.Random(0))
+    res = Searcher(sim.TOPO, space, run, sim.CTX).run(ref, {"no overlap": sim.all_off(sim.TOPO, ref)})
+    assert res.choices["fc1_fprop"]["accepted"] and res.best_name == "reference"
+    assert "but by less than a gain worth a switch (0.2% of a step)" in res.reason
