@@ -4,6 +4,7 @@ best valid config; with the fault on one rank only, both ranks still take the sa
 import json
 import math
 import os
+import sys
 import time
 
 import fakes
@@ -71,7 +72,7 @@ def _rank(rank, init, out):
 
 
 def test_a_fault_on_one_rank_keeps_ranks_in_lockstep(tmp_path):
-    mp.start_processes(_rank, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True, start_method="spawn")
+    mp.start_processes(_rank, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True, start_method="fork")
     r0, r1 = (json.loads((tmp_path / f"r{r}.json").read_text()) for r in (0, 1))
     assert r0 == r1 and r0["errors"]  # rank 0 also saw the failure (agreed), same decisions
 
@@ -92,8 +93,9 @@ def _faulty_rank(rank, world, kind, init, out):
 
     import torch
 
-    err = open(os.path.join(out, f"r{rank}.err"), "w")
+    err = open(os.path.join(out, f"r{rank}.err"), "w", buffering=1)
     os.dup2(err.fileno(), 2)
+    sys.stderr = err  # a forked rank keeps the test runner's sys.stderr object, which fd 2 alone does not redirect
     dist.init_process_group(
         "gloo", init_method=f"file://{init}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120)
     )
@@ -132,7 +134,7 @@ def _faulty_rank(rank, world, kind, init, out):
 
 
 def _run_ranks(tmp_path, world, kind, timeout_s):
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("fork")
     procs = [
         ctx.Process(target=_faulty_rank, args=(r, world, kind, str(tmp_path / "init"), str(tmp_path)))
         for r in range(world)
