@@ -42,7 +42,6 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]  # the studies, then the benchmarks they build on
-MEGATRON_NAMES = {"linear_qkv": "qkv", "linear_proj": "proj", "linear_fc1": "fc1", "linear_fc2": "fc2"}
 
 
 def overlap_modules(model) -> list:
@@ -51,6 +50,7 @@ def overlap_modules(model) -> list:
     model the routed experts are left out (they never overlap) and a shared expert's fc1/fc2 have the flags
     megatron-core gives them at TP>1 (the AG/RS only): slots of their own (``shared_fc1.fwd``, ...)."""
     from megatron_tp_overlap.engine.topology import COLUMN_FLAGS, ROW_FLAGS, OverlapModule
+    from megatron_tp_overlap.integrations.megatron.coverage import ROLES
 
     flags = {  # every flag on, but a column module's dgrad as bulk (a reduce-scatter dgrad would drop its wgrad)
         "column": {f: f != "ub_overlap_rs_dgrad" for f in COLUMN_FLAGS},
@@ -60,7 +60,7 @@ def overlap_modules(model) -> list:
     found = []
     for i, chunk in enumerate(model):
         for path, m in chunk.named_modules():
-            name = MEGATRON_NAMES.get(path.rsplit(".", 1)[-1])
+            name = ROLES.get(path.rsplit(".", 1)[-1])
             shared = "shared_experts" in path
             if name is None or (".experts." in path and not shared):  # routed experts: no userbuffers
                 continue

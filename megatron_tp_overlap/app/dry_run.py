@@ -79,6 +79,7 @@ def topology_of(dims: dict[str, Any]) -> Any:
     every overlap on, dgrad bulk as the main job launches them). An MoE model: fc1/fc2 only where dense layers are
     (``moe_layer_freq``), a shared expert's fc1/fc2 in slots of their own with its AG/RS only; routed experts none."""
     from megatron_tp_overlap.engine.topology import Topology
+    from megatron_tp_overlap.integrations.megatron.coverage import SHARED_EXPERT_GEMMS
 
     attention = {f"{m}_{p}" for m in ("qkv", "proj") for p in ("fprop", "dgrad", "wgrad")}
     mlp = {f"{m}_{p}" for m in ("fc1", "fc2") for p in ("fprop", "dgrad", "wgrad")}
@@ -91,12 +92,8 @@ def topology_of(dims: dict[str, Any]) -> Any:
         active |= mlp
     if dims.get("num_experts") and dims.get("moe_shared_expert_intermediate_size"):
         kinds += [("shared_fc1", "column"), ("shared_fc2", "row")]
-        shared = {
-            "shared_fc1": frozenset({"fc1_fprop"}),
-            "shared_fc2": frozenset({"fc2_fprop", "fc2_dgrad", "fc2_wgrad"}),
-        }
-        own = sorted(shared.items())
-        active |= set().union(*shared.values())
+        own = sorted(SHARED_EXPERT_GEMMS.items())
+        active |= set().union(*SHARED_EXPERT_GEMMS.values())
     return Topology(kinds=tuple(kinds), active=frozenset(active), layers=0, prefix_active=tuple(own))
 
 

@@ -20,7 +20,8 @@ WHY_GROUPED_NO_TP = "TE GroupedLinear has no userbuffers overlap, and expert-TP 
 WHY_BUILT_OFF = "built without userbuffers"
 
 
-def _te_class(module: torch.nn.Module) -> str | None:
+def te_class(module: torch.nn.Module) -> str | None:
+    """The TE class a module is (along the MRO): GroupedLinear, LayerNormMLP, LayerNormLinear, Linear; else None."""
     names = {c.__name__ for c in type(module).__mro__}
     if GROUPED in names:
         return GROUPED
@@ -81,7 +82,7 @@ def coverage(
     why: dict[str, str] = {}
     for root in roots:
         for path, mod in root.named_modules():
-            te = _te_class(mod)
+            te = te_class(mod)
             if te is None or id(mod) in overlapping:
                 continue
             if te == GROUPED:  # routed experts: named whether or not their expert-TP size shards them

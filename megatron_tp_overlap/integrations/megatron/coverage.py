@@ -6,16 +6,23 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_tp_overlap.engine.coverage import Coverage, coverage
+from megatron_tp_overlap.engine.topology import SHARED_EXPERT_PATH, SHARED_PREFIX
 
 # megatron-core's TE linears by attribute name (gpt_layer_specs.py); MLA's and MTP's keep their own names
 ROLES = {"linear_qkv": "qkv", "linear_proj": "proj", "linear_fc1": "fc1", "linear_fc2": "fc2"}
+# a shared expert's TE linears get only ub_overlap_ag / ub_overlap_rs from megatron-core's TELinear: column fc1
+# overlaps its forward all-gather, row fc2 its forward reduce-scatter and its backward all-gather
+SHARED_EXPERT_GEMMS = {
+    SHARED_PREFIX + "fc1": frozenset({"fc1_fprop"}),
+    SHARED_PREFIX + "fc2": frozenset({"fc2_fprop", "fc2_dgrad", "fc2_wgrad"}),
+}
 
 
 def role_of(path: str) -> str:
     """``decoder.layers.3.mlp.shared_experts.linear_fc1`` -> ``shared_fc1``; MLA's ``linear_q_down_proj`` as is."""
     last = path.rsplit(".", 1)[-1]
     role = ROLES.get(last, last)
-    return f"shared_{role}" if "shared_expert" in path and role in ("fc1", "fc2") else role
+    return SHARED_PREFIX + role if SHARED_EXPERT_PATH in path and role in ("fc1", "fc2") else role
 
 
 def megatron_notes(config: Any, asked_overlap: bool) -> list[str]:

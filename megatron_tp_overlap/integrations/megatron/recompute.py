@@ -69,14 +69,11 @@ class Recompute:
         return None
 
 
-def _te_class(module: Any) -> str:
-    names = {c.__name__ for c in type(module).__mro__}
-    return next((n for n in ("LayerNormMLP", "LayerNormLinear") if n in names), "Linear")
-
-
 def no_grad_fprop(module: Any, ub_name: str) -> frozenset[str]:
     """The forward GEMMs of one TE module that run without overlap when its forward runs under no_grad."""
-    cls = _te_class(module)
+    from megatron_tp_overlap.engine.coverage import te_class
+
+    cls = te_class(module)
     if cls == "LayerNormMLP":
         return frozenset({"fc1_fprop", "fc2_fprop"})
     if cls == "LayerNormLinear" and getattr(module, "parallel_mode", "column") != "row":
