@@ -160,7 +160,7 @@ def test_the_default_verification_keeps_real_gains_under_the_measured_iteration_
 
 
 def test_a_look_before_the_last_quadruple_decides_only_at_99_percent():
-    from megatron_tp_overlap.engine.verify import INTERIM_LEVEL
+    from megatron_tp_overlap.engine.paired import INTERIM_LEVEL
 
     run = Run(tuned_ms=190.0, noise=0.5, seed=7)  # 5% faster: decided at the first look with a 99% interval (8)
     v = run.verify(iters=384)

@@ -227,7 +227,12 @@ def one_search(real: RealSteps, seed: int, gain: float, preset: bool = False, va
         "seconds": round(res.elapsed_s, 1),
         "switches": real.switches,
         "budget_hit": res.budget_hit,
+        "search_end": res.search_end,  # why the racing rounds ended
+        "cut_short": res.cut_short,
+        "phase_seconds": phase_seconds(res.trials),
+        "choices_accepted": sorted(g for g, c in res.choices.items() if c.get("accepted")),
         "decision_quadruples": d.get("quadruples"),
+        "decision_level": d.get("level"),  # of the look that ended the ABBA
         "decision_half_width_pct": d.get("noise_pct_of_step"),
         "decision_gain_ms": d.get("slot_interval", {}).get("gain_ms"),  # measured in the overlapped layers
         "decision_step_gain_ms": d.get("step_interval", {}).get("gain_ms"),  # measured on the whole step
@@ -241,6 +246,14 @@ def one_search(real: RealSteps, seed: int, gain: float, preset: bool = False, va
         },
         "selection_gain_ms": d.get("selection_gain_ms"),
     }
+
+
+def phase_seconds(trials: list) -> dict[str, float]:
+    """Seconds per search phase (screen, halving = racing, recheck, select, confirm, ...), brackets apart."""
+    out: dict[str, float] = {}
+    for t in trials:
+        out[t.phase] = round(out.get(t.phase, 0.0) + t.seconds, 1)
+    return out
 
 
 def parse_variant(variant: str) -> dict[str, int]:

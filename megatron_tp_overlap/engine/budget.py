@@ -18,13 +18,20 @@ class Budget:
         """Whether a trial of ``steps`` (+ warm-up, after a switch) fits, keeping ``reserve`` for later phases and
         one switch for the final config. Seconds are measured (:meth:`_rates`): the budget is a hard cap on the
         trials."""
-        need = Work(steps + self.opt.warmup_steps, 1) + (reserve or Work()) + Work(0, 1)
-        steps_ok = need.steps <= self.opt.steps_left(self.steps_run)
-        ok = steps_ok and self.elapsed_s + self._seconds(need) <= self.opt.max_seconds
+        ok, steps_ok = self._fit(steps, reserve)
         if not ok:
             self.budget_hit = True
             self.limit_hit = self.limit_hit or ("time" if steps_ok else "step")
         return ok
+
+    def _fits(self, steps: int, reserve: Work | None = None) -> bool:
+        """:meth:`_can_afford` without recording a budget hit: will the next such trial run?"""
+        return self._fit(steps, reserve)[0]
+
+    def _fit(self, steps: int, reserve: Work | None) -> tuple[bool, bool]:
+        need = Work(steps + self.opt.warmup_steps, 1) + (reserve or Work()) + Work(0, 1)
+        steps_ok = need.steps <= self.opt.steps_left(self.steps_run)
+        return steps_ok and self.elapsed_s + self._seconds(need) <= self.opt.max_seconds, steps_ok
 
     def _raise_hint(self) -> str:
         """What to raise when the budget stopped the search: the bound that ran out."""

@@ -64,7 +64,6 @@ class Verdict:
 # the same phases. 6 quadruples of them gave a 95% interval of +-0.5-5.7% (median ~1.1%) of an iteration there, 24
 # +-0.30-0.34%: hence up to 24, stopping as soon as the interval decides.
 BLOCK = 4  # iterations per block, when the run has room for 6 quadruples of them
-INTERIM_LEVEL = 0.99  # looks before the last stop only at this level: many looks at 95% would decide by luck
 FLOOR = SearchOptions.rel_floor  # a look stops (going back) once the interval excludes a gain of this share of an
 # iteration: the gain the search, too, counts as too small to matter
 
@@ -193,7 +192,7 @@ class InRunVerification:
         gains = paired.quad_gains(blocks, order)
         ref = statistics.median(t for i, t in enumerate(times) if order[i // b] == paired.A)
         tun = statistics.median(t for i, t in enumerate(times) if order[i // b] == paired.B)
-        iv = paired.gain_interval(gains, 0.95 if last else INTERIM_LEVEL)
+        iv = paired.gain_interval(gains, 0.95 if last else paired.INTERIM_LEVEL)
         futile = iv.high < FLOOR * ref
         if not (last or iv.faster or iv.slower or futile):
             return None
