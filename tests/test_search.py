@@ -17,6 +17,7 @@ from megatron_tp_overlap.engine.space import TuningConfig, all_off, apply, build
 from megatron_tp_overlap.engine.topology import build_topology, find_overlap_modules
 from megatron_tp_overlap.engine.trial import Contender
 from megatron_tp_overlap.tools.research import decision_sim as sim
+from megatron_tp_overlap.tools.research.decision_sim import Clocked
 from megatron_tp_overlap.ub.config import UbConfig
 from megatron_tp_overlap.ub.rules import ValidationContext
 
@@ -122,24 +123,6 @@ def test_a_search_the_budget_cut_short_says_so_and_what_it_left_out():
     assert len(counts) == 2 and any(int(done) < int(of) for done, of in counts)
     full = Searcher(topo, space, Synthetic(topo), CTX, SearchOptions(max_steps=10_000, max_seconds=1e9)).run(ref, base)
     assert full.cut_short is None and "budget ran out" not in full.reason
-
-
-class Clocked:
-    """decision_sim's steps on a clock like real H200 trials (FP8, one micro-batch per trial step): 75 ms per step,
-    0.5 s per switch inside the trial's wall time, 0.2 s of the search's own work between trials."""
-
-    def __init__(self, run, step_s=0.075, switch_s=0.5, outside_s=0.2, first_s=0.0):
-        self.run, self.step_s, self.switch_s, self.outside_s = run, step_s, switch_s, outside_s
-        self.t, self.live, self.first_s = 0.0, None, first_s
-
-    def __call__(self, config, steps, warmup):
-        m = self.run(config, steps, warmup)
-        self.t += self.outside_s
-        wall = (steps + warmup) * self.step_s + self.switch_s * (config != self.live) + self.first_s
-        self.first_s = 0.0  # one-off costs of the first trial
-        self.t, self.live = self.t + wall, config
-        scale = 1000 * self.step_s / sim.STEP_MS  # GPU ms per step as the clock has them
-        return Measurement(m.slot_ms, [v * scale for v in m.step_ms], self.t, m.steps_run, wall_s=wall)
 
 
 def test_the_budget_prices_steps_and_switches_apart_so_that_short_trial_steps_hold_the_whole_search():
