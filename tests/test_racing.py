@@ -2,6 +2,7 @@
 a few deterministic simulated searches (not timing tests)."""
 
 import random
+import re
 
 from test_search import CTX, Synthetic, setup
 
@@ -88,3 +89,30 @@ def test_a_tuned_config_behind_in_its_selection_blocks_still_goes_to_the_final_d
     for seed in (100, 166):
         out = sim.run_once("hostbound", random.Random(seed).uniform(0.005, 0.05), 1000 + seed)
         assert out.realized == 1.0 and out.seconds <= 60, seed
+
+
+def test_a_budget_that_leaves_no_time_to_race_says_so_once_with_a_budget_that_would():
+    """Qwen3-MoE-like trials on one H100 (0.14 s per step, 0.3 s per switch): after screening, the reserve for the
+    re-checks and the final decision took the rest of the 60 s, the racing got 1.6 s, and nothing told the user (the
+    worst seed kept 44.5% of its gain). One line says so and names a budget for a round over every screened option;
+    given that budget, the racing re-measures most of them (the reserve was priced at the screening's seconds per
+    step before: at 86 s the racing still got nothing; now a step's wall time comes from trials of two lengths)."""
+    space = sim.build_space(sim.TOPO, sim.CTX, [sim.UbConfig()])
+    ref = sim.TuningConfig(sim.UbConfig(), frozenset(), "reference")
+    world = sim.make_world(space, 0.02, random.Random(7000))
+
+    def search(seconds: float) -> tuple[list[str], object]:
+        lines: list[str] = []
+        run = sim.Clocked(sim.SimulatedRun(world, "iid", random.Random(7000)), 0.14, 0.3, 0.05)
+        res = Searcher(sim.TOPO, space, run, sim.CTX, SearchOptions(max_seconds=seconds), log=lines.append).run(
+            ref, {"no overlap": sim.all_off(sim.TOPO, ref)}
+        )
+        return [x for x in lines if "left no time to race" in x], res
+
+    starved, res = search(60)
+    assert len(starved) == 1 and starved[0] == res.search_end and res.elapsed_s <= 60
+    assert "10 of 88 screened options re-measured" in starved[0]
+    suggested = float(re.search(r"try a budget of about (\d+) s$", starved[0]).group(1))
+    raced, res = search(suggested)
+    remeasured = int(re.search(r"(\d+) of 88 screened options re-measured", res.search_end).group(1))
+    assert not raced and remeasured >= 66 and res.elapsed_s <= suggested  # most of a round

@@ -617,3 +617,15 @@ def test_contenders_ahead_of_the_reference_run_a_runoff_when_the_budget_allows(o
     if passes > 1:
         runoff = blocks[len(blocks) - 3 * (passes - 1) :]  # each pass: the two contenders, the reference closing
         assert runoff[-1] == "reference" and runoff[:2] != runoff[3:5]  # order alternates, the reference closes
+
+
+def test_a_step_is_priced_at_its_wall_time_when_trials_of_two_lengths_tell_it():
+    """A step can cost more wall time than its GPU time (the host's part: Qwen3-MoE-like steps on one H100). Priced at
+    its GPU time, what a 5-step trial costs beyond a 2-step one went into the price of a switch; the reserve then
+    needed a correction at the screening's seconds per step, which took the whole budget on such steps. The slope of
+    switching trials' seconds in their steps prices it; one length alone tells nothing."""
+    from megatron_tp_overlap.engine.budget import wall_per_step
+
+    assert wall_per_step([(2, 0.63), (2, 0.65), (5, 1.05), (5, 1.07)]) == pytest.approx(0.14)
+    assert wall_per_step([(2, 0.63), (2, 0.65), (5, 1.05)]) is None  # the second length once
+    assert wall_per_step([(2, 0.63)] * 9) is None

@@ -58,6 +58,10 @@ class Budget:
             per_step = self.elapsed_s / self.steps_run if self.steps_run else 0.0
             return per_step, 0.0, 0.0
         step_s = statistics.median(ms for *_, ms in timed if ms > 0) / 1000  # a failed trial (ms 0) has its seconds
+        # a step can cost more wall time than its GPU time (the host's part of a step: Qwen3-MoE-like steps on one
+        # H100); switching trials of different lengths tell it: their seconds' slope in the steps
+        slope = wall_per_step([(n, sec) for i, n, sw, sec, ms in timed if sw and i > 0 and ms > 0])
+        step_s = max(step_s, slope or 0.0)
         rest = {
             sw: [max(0.0, sec - n * step_s) for i, n, s_, sec, _ in timed if s_ == sw and i > 0] for sw in (True, False)
         }
@@ -100,3 +104,17 @@ class Budget:
         while self.block_steps > 1 and too_long(self.block_steps):
             self.block_steps -= 1
         return o.decision_work(contenders, self.block_steps)
+
+
+def wall_per_step(trials: list[tuple[int, float]]) -> float | None:
+    """Least-squares slope of a trial's seconds in its steps, over ``trials`` [(steps, seconds)] that all switch
+    config; None unless two lengths have two trials each."""
+    counts: dict[int, int] = {}
+    for n, _ in trials:
+        counts[n] = counts.get(n, 0) + 1
+    if sum(c >= 2 for c in counts.values()) < 2:
+        return None
+    mn = statistics.fmean(n for n, _ in trials)
+    ms = statistics.fmean(sec for _, sec in trials)
+    var = sum((n - mn) ** 2 for n, _ in trials)
+    return sum((n - mn) * (sec - ms) for n, sec in trials) / var

@@ -212,11 +212,7 @@ class Racing:
             w = decision() + check + Work(runoff * (b + o.warmup_steps), runoff)
             for _ in range(RECHECKS):
                 w = w + self.recheck_work()
-            # optional work is priced with care: the reserve at the search's mean seconds per step so far where that
-            # is more (a clock whose steps cost more than their GPU time: priced by the model alone, the racing
-            # left the decision one selection block, "the budget ran out before any candidate was measured")
-            step_s, short = self._rates()[0], self.elapsed_s / max(1, self.steps_run) * w.steps - self._seconds(w)
-            return w + Work(math.ceil(short / step_s)) if step_s > 0 and short > 0 else w
+            return w
 
         first = [x for x in race.unsettled if rank[x] < o.keep]
         untried = self._measure_options(
@@ -235,7 +231,18 @@ class Racing:
             self.budget_hit, self.limit_hit = hit
             race.rounds += 1
         self._settle(incumbent, race)
-        if untried or (race.unsettled and race.upside_ms >= worth):
+        if (untried or (race.unsettled and race.upside_ms >= worth)) and len(race.raw) <= len(first):
+            # the reserve took what the screening left: slow steps and switches (Qwen3-MoE-like trials on one H100,
+            # 0.14 s per step: 1.6 s of racing in a 60 s budget); say so, with what one round would need
+            more = self._round_seconds(race)
+            race.ended = (
+                f"[tp-overlap-autotune] the budget ({o.budget_text()}) left no time to race: {len(race.raw)} of "
+                f"{len(screened)} screened options re-measured (the best-screened of each GEMM), "
+                f"{len(race.unsettled)} left unsettled; one round over them needs about {more:.0f} s more "
+                f"({self._rates()[0]:.2f} s per step, {self._rates()[1]:.2f} s per switch here): try a budget of about "
+                f"{o.max_seconds + more:.0f} s"
+            )
+        elif untried or (race.unsettled and race.upside_ms >= worth):
             race.ended = (
                 f"the budget ({o.budget_text()}) ended the re-measurement: {len(race.raw)} of {len(screened)} "
                 f"screened options re-measured, {len(race.unsettled)} left unsettled"
@@ -254,6 +261,17 @@ class Racing:
                 "rounds of re-measurement"
             )
         return race
+
+    def _round_seconds(self, race: Race) -> float:
+        """Seconds of one racing round over the unsettled options: a trial measures one option per slot, so as many
+        trials as the fullest slot has options, and the incumbent's brackets."""
+        per_slot: dict[str, int] = {}
+        for x in race.unsettled:
+            for s in self._slots_of(x):
+                per_slot[s] = per_slot.get(s, 0) + 1
+        trials = max(per_slot.values(), default=0)
+        trials += math.ceil(trials / self.opt.bracket_every)
+        return self._seconds(Work(trials * (self.opt.halving_steps + self.opt.warmup_steps), trials))
 
     def _queue_key(self, x: Option, race: Race) -> tuple[int, float]:
         return sum(len(s) for _, s in race.raw.get(x, [])), statistics.median(race.screened[x])
