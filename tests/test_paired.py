@@ -88,8 +88,8 @@ def test_the_final_decision_looks_before_its_last_quadruple_only_at_the_interim_
     """The ABBA decision looks after every quadruple from the 6th on. At 95% each time, on one H100 an equal world of
     a Qwen3-MoE-like model named a false winner at its 15th look (+1.09 ms, 95% CI +0.011 to +2.42), and on
     decision_sim's hostbound steps (fitted to that model's decisions) an equal candidate was named faster in 31 of 300
-    decisions (13 of the 150 below). Every look before the last is at paired.INTERIM_LEVEL, the last at the option's
-    level: 16 of 300 (10 below), and every decision that stopped early says it stopped at 99%."""
+    decisions (3 of the 60 below). Every look before the last is at paired.INTERIM_LEVEL, the last at the option's
+    level: 16 of 300 (2 below), and every decision that stopped early says it stopped at 99%."""
     from megatron_tp_overlap.engine.search import Searcher, SearchOptions
     from megatron_tp_overlap.engine.space import TuningConfig, apply, build_space
     from megatron_tp_overlap.engine.trial import Contender
@@ -99,11 +99,11 @@ def test_the_final_decision_looks_before_its_last_quadruple_only_at_the_interim_
     ref = TuningConfig(UbConfig(), frozenset(), "reference")
     cand = apply(ref, next(o for o in space["fc2_fprop"] if apply(ref, o, decision_sim.TOPO) != ref), decision_sim.TOPO)
     named, levels = 0, set()
-    for seed in range(150):
+    for seed in range(60):
         run = decision_sim.SimulatedRun(decision_sim.World({}), "hostbound", random.Random(seed))
         s = Searcher(decision_sim.TOPO, space, run, decision_sim.CTX, SearchOptions(max_seconds=10**6))
         d = s.abba(Contender("reference", ref), Contender("candidate", cand))
         named += d["slot_interval"].faster
         levels.add((d["quadruples"] == SearchOptions.max_quads, d["level"]))
-    assert named == 10  # 6.7%; heavy tails in stretches, where 2.5% is nominal for the last look alone
+    assert named == 2  # 16 of 300 over seeds 0-299: heavy tails in stretches, where the last look alone gives 2.5%
     assert levels <= {(False, paired.INTERIM_LEVEL), (True, 0.95)}
