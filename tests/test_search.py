@@ -627,5 +627,7 @@ def test_a_step_is_priced_at_its_wall_time_when_trials_of_two_lengths_tell_it():
     from megatron_tp_overlap.engine.budget import wall_per_step
 
     assert wall_per_step([(2, 0.63), (2, 0.65), (5, 1.05), (5, 1.07)]) == pytest.approx(0.14)
+    # one trial held up by 3 s (a GC, the host) moves its length's median, not the price of a step
+    assert wall_per_step([(2, 0.63), (2, 0.64), (2, 0.65), (5, 1.05), (5, 1.06), (5, 4.07)]) == pytest.approx(0.14)
     assert wall_per_step([(2, 0.63), (2, 0.65), (5, 1.05)]) is None  # the second length once
     assert wall_per_step([(2, 0.63)] * 9) is None

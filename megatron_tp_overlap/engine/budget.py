@@ -107,14 +107,15 @@ class Budget:
 
 
 def wall_per_step(trials: list[tuple[int, float]]) -> float | None:
-    """Least-squares slope of a trial's seconds in its steps, over ``trials`` [(steps, seconds)] that all switch
-    config; None unless two lengths have two trials each."""
-    counts: dict[int, int] = {}
-    for n, _ in trials:
-        counts[n] = counts.get(n, 0) + 1
-    if sum(c >= 2 for c in counts.values()) < 2:
+    """Seconds per step from ``trials`` [(steps, seconds)] that all switch config: the least-squares slope through
+    each length's median seconds (a trial held up by a GC or the host moves its length's median, not the slope);
+    None unless two lengths have two trials each."""
+    by_len: dict[int, list[float]] = {}
+    for n, sec in trials:
+        by_len.setdefault(n, []).append(sec)
+    pts = [(n, statistics.median(v)) for n, v in by_len.items() if len(v) >= 2]
+    if len(pts) < 2:
         return None
-    mn = statistics.fmean(n for n, _ in trials)
-    ms = statistics.fmean(sec for _, sec in trials)
-    var = sum((n - mn) ** 2 for n, _ in trials)
-    return sum((n - mn) * (sec - ms) for n, sec in trials) / var
+    mn = statistics.fmean(n for n, _ in pts)
+    ms = statistics.fmean(sec for _, sec in pts)
+    return sum((n - mn) * (sec - ms) for n, sec in pts) / sum((n - mn) ** 2 for n, _ in pts)
