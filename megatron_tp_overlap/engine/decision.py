@@ -83,9 +83,9 @@ class FinalDecision:
             best = min(eligible, key=lambda c: sel[c.name])
             if sel[best.name] >= 0:
                 # nothing ahead in a few selection blocks, but the tuned config's choices were each accepted on fresh
-                # steps: the ABBA decides (decision_sim hostbound: 4 of 200 seeds with 0.6-1.2% gains, every true
-                # option accepted, ended here at 43 s of 60)
-                if not (behind and mine in eligible):
+                # steps: the ABBA decides (decision_sim hostbound: 3 of 200 seeds with 0.7-1.3% gains, every true
+                # option accepted, ended here at 42-45 s of 60)
+                if not (mine in eligible and any(c.get("accepted") for c in choices.values())):
                     break
                 best = mine
             bad = self._verify(best.config)
@@ -229,15 +229,16 @@ class FinalDecision:
         return [sum(c[i] for c in cols) for i in range(min(len(c) for c in cols))]
 
     def abba(self, ref: Contender, cand: Contender) -> dict:
-        """ABBA quadruples of ``block_steps``-step blocks; from ``min_quads`` on, stop as soon as the slot-time
-        interval excludes zero (either way) or cannot hold a gain of ``rel_floor`` of the step any more, or at
-        the budget; every look but the last at ``paired.INTERIM_LEVEL``, the last at ``level``. Per quadruple the reference runs A1 then (after the candidate's two blocks) A2 and the next
-        quadruple's A1 without a switch: each config has one block right after a switch and one after its own
-        block, so effects of the position since a switch cancel too. Every block is a trial of its own: a trial
-        ends with a device sync and host work (the GPU idles briefly), and a config's second block must follow
-        that gap as its first follows a switch, for both configs alike (with B's two blocks in one trial, A's
-        continuing block alone followed a gap: on real H200 steps the reference then measured 0.06-0.55% of a step
-        faster than an equal candidate in 7 of 7 decisions, benchmarks/results/2026-11-23_h200x1/search_on_real_steps/)."""
+        """ABBA quadruples of ``block_steps``-step blocks; from ``min_quads`` on, stop as soon as the slot-time interval
+        excludes zero (either way) or cannot hold a gain of ``rel_floor`` of the step any more, or at the budget; every
+        look but the last at ``paired.INTERIM_LEVEL``, the last at ``level``. Per quadruple the reference runs A1 then
+        (after the candidate's two blocks) A2 and the next quadruple's A1 without a switch: each config has one block
+        right after a switch and one after its own block, so effects of the position since a switch cancel too. Every
+        block is a trial of its own: a trial ends with a device sync and host work (the GPU idles briefly), and a
+        config's second block must follow that gap as its first follows a switch, for both configs alike (with B's two
+        blocks in one trial, A's continuing block alone followed a gap: on real H200 steps the reference then measured
+        0.06-0.55% of a step faster than an equal candidate in 7 of 7 decisions,
+        benchmarks/results/2026-11-23_h200x1/search_on_real_steps/)."""
         o, bs = self.opt, self.block_steps
         order: list[int] = []
         slot_blocks: list[float] = []
