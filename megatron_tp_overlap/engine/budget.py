@@ -43,8 +43,9 @@ class Budget:
 
     def _rates(self) -> tuple[float, float, float]:
         """Seconds per step, per trial that switches config and per trial that continues one (beyond its steps),
-        from the agreed clock: a trial spends its steps at their measured time, and a switch (re-init, sync, the
-        idle GPU after it) plus the search's own work between trials. Priced at screening's seconds per step
+        from the agreed clock: a trial spends its steps at their measured time (their GPU time, or their wall time
+        where trials of two lengths show more: :func:`wall_per_step`), and a switch (re-init, sync, the idle GPU
+        after it) plus the search's own work between trials. Priced at screening's seconds per step
         instead (its 3-step trials each switch), the final decision (half of its trials continue a config) cost
         twice its real time and the budget ended the search early on real H200 steps of 75 ms."""
         key = ("rates", len(self._spent), self.elapsed_s, self.steps_run)
