@@ -169,6 +169,13 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=8192)
     p.add_argument("--global-batch", type=int, default=MODEL["global_batch"])
     p.add_argument("--iters", type=int, default=25)
+    p.add_argument(
+        "--yaml-iters",
+        type=int,
+        default=0,
+        help="runs other than autotune stop after this many iterations (Megatron's --exit-interval): the same "
+        "--train-iters, so the same LR schedule and data, for a bitwise loss comparison at less cost (0: all)",
+    )
     p.add_argument("--budget-s", type=float, default=TuneOptions.seconds)
     p.add_argument(
         "--runs",
@@ -250,6 +257,7 @@ def main() -> None:
             *model_args(a),
             *extra[kind],
             *a.extra.split(),
+            *(["--exit-interval", str(a.yaml_iters)] if a.yaml_iters and kind != "autotune" else []),
         ]
         if a.fp8:
             cmd += FP8_ARGS
