@@ -341,3 +341,51 @@ def test_fusion_names_are_matched_exactly():
     assert not f("/x/megatron/core/transformer/torch_norm.py", "forward")
     assert not f("/x/megatron/core/transformer/attention.py", "forward")
     assert not f("/x/mymegatron/core/fusions_extra/a.py", "g")
+
+
+class _KeepsCommunicator(torch.autograd.Function):
+    """As TE's linear Functions do: the autograd context holds the communicator the step ran with."""
+
+    @staticmethod
+    def forward(ctx, x, ub):
+        ctx.ub_obj = ub
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2, None
+
+
+class _Dispatcher:  # not a module, as Megatron's MoE token dispatchers
+    def __init__(self) -> None:
+        self.probs = None
+
+
+def test_a_switch_frees_a_graph_that_the_model_keeps_between_steps(fake_te):
+    """Megatron's MoE all-to-all dispatcher keeps the last micro-batch's routing probs, whose graph holds TE contexts
+    holding the step's communicators: at TP=2 every switch was refused (StaleCommunicatorError, 'held by: dict ...')
+    and the MoE tuning measured only its reference. The switch detaches such tensors: same values, no graph."""
+    model = fakes.fake_model(layers=1)
+    model.token_dispatcher = _Dispatcher()
+    sw = ub_runtime.UbSwitcher(fakes.fake_init_args(), find_overlap_modules(model), models=[model])
+    sw.apply(TuningConfig(UbConfig()))
+    x = torch.randn(4, requires_grad=True)
+    y = _KeepsCommunicator.apply(x, fake_te._ub_communicators["qkv_fprop"])
+    model.token_dispatcher.probs = y.softmax(-1)  # kept until the next forward
+    model.cached_output = y * 3  # a module attribute too (Megatron's SharedExpertMLP.cached_output)
+    w = torch.nn.Parameter(torch.ones(4))
+    model.scaled = w * 2  # a graph with no communicator: the model may mean to keep it, so it stays
+    y.sum().backward()
+    kept = model.token_dispatcher.probs.detach().clone()
+    del y
+    sw.apply(TuningConfig(UbConfig().with_entry("fc2_fprop", GemmOverlapConfig(method="ring_exchange"))))
+    assert fake_te.destroys == 1
+    assert torch.equal(model.token_dispatcher.probs, kept) and model.token_dispatcher.probs.grad_fn is None
+    assert model.cached_output.grad_fn is None and model.scaled.grad_fn is not None
+    assert sw.detached == {"_Dispatcher.probs", type(model).__name__ + ".cached_output"}
+
+    # without the model, the check still names the holder: the autograd context of the graph kept alive
+    sw2 = ub_runtime.UbSwitcher(fakes.fake_init_args(), find_overlap_modules(model))
+    model.token_dispatcher.probs = _KeepsCommunicator.apply(x, fake_te._ub_communicators["qkv_fprop"]) + 0
+    with pytest.raises(StaleCommunicatorError, match="dict of _KeepsCommunicatorBackward"):
+        sw2.apply(TuningConfig(UbConfig().with_entry("fc2_fprop", GemmOverlapConfig(method="pipeline", num_sm=8))))

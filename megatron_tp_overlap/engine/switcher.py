@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from megatron_tp_overlap.engine.held_graphs import detach_held_graphs, holder_name
 from megatron_tp_overlap.engine.space import TuningConfig
 from megatron_tp_overlap.engine.topology import OverlapModule
 from megatron_tp_overlap.errors import StaleCommunicatorError
@@ -188,7 +189,7 @@ def stale_references(objects: Sequence[Any], expected: int) -> list[str]:
     for obj in objects:
         n = sys.getrefcount(obj) - 2  # the loop variable and getrefcount's argument
         if n > expected:
-            holders = [type(r).__name__ for r in gc.get_referrers(obj) if r is not objects]
+            holders = [holder_name(r) for r in gc.get_referrers(obj) if r is not objects]
             out.append(
                 f"{type(obj).__name__} has {n} references (expected {expected}); held by: {', '.join(holders[:6]) or '?'}"
             )
@@ -226,6 +227,10 @@ class UbSwitcher:
     barrier_after_destroy: bool = True
     compiled_kept: int = 0  # switches that kept torch.compile's code (keeping_compiled_fusions)
     _bootstrap: dict[str, Any] = field(default_factory=dict)  # key of TE's new_group call -> the group
+    # the model (or its chunks): tensors with a graph that its modules keep between steps are detached at each
+    # switch (engine/held_graphs.py: Megatron's MoE dispatcher keeps the last routing probs)
+    models: Sequence[Any] = ()
+    detached: set[str] = field(default_factory=set)  # "Class.attribute" of every tensor detached so far
 
     @contextlib.contextmanager
     def _own_bootstrap_groups(self) -> Iterator[None]:
@@ -301,6 +306,7 @@ class UbSwitcher:
     def _release(self, lap: Callable[[str], None] = lambda phase: None) -> None:
         """Drop every reference to the current communicators, then destroy them (``lap``: the phase just done)."""
         base = _te_base()
+        self.detached.update(detach_held_graphs(self.models, (base._ub_communicators or {}).values()))
         gc.collect()
         lap("collect")
         _sync()

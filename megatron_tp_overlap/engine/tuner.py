@@ -130,7 +130,11 @@ class Autotuner(NumericsGuard):
         check(ref, self.ctx, "reference config")  # bad input fails here, before any GPU work
         self.reference = ref
         self.switcher = UbSwitcher(
-            self.init_args, self.modules, barrier=self._barrier, recoverable=lambda r: self.lockstep.recoverable(r)
+            self.init_args,
+            self.modules,
+            barrier=self._barrier,
+            recoverable=lambda r: self.lockstep.recoverable(r),
+            models=list(self.model) if isinstance(self.model, Sequence) else [self.model],
         )
         self.lockstep = Lockstep(enabled=False)  # the tuning's own, for the duration of tune()
         self._t0 = 0.0
@@ -361,6 +365,8 @@ class Autotuner(NumericsGuard):
             if self.switcher.reinit_seconds
             else None,
             "reinit_phases_s_median": reinit_phase_medians(self.switcher.reinit_phases),
+            # tensors with a graph that the model kept between steps, detached at the switches (engine/held_graphs.py)
+            "detached_between_steps": sorted(self.switcher.detached),
             "wall_s": round(wall, 3),
             # what the ranks' agreements cost this rank (engine.lockstep): at scale this is the part that grows
             "agreements": {

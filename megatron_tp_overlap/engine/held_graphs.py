@@ -1,0 +1,84 @@
+"""Autograd graphs that a model keeps alive between steps, and what keeps them.
+
+A step's graph is freed when its last tensor goes. Some models keep one of its tensors as an attribute until their
+next forward: Megatron's MoE all-to-all token dispatcher keeps the last micro-batch's routing ``probs``, whose graph
+reaches back through the router to every earlier layer. After the backward such a graph holds no saved activations,
+but its nodes live on, and TE's autograd contexts among them hold the userbuffers communicators that the step ran
+with: ``destroy_ub`` would leave them to tear down the next config's shared communicator (``docs/switch.md``), so
+the switcher refuses to switch. Detaching the kept tensor frees the graph and changes nothing else:
+the same storage and values, and nothing reads its graph after the backward.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+
+def _references(node: Any, ids: set[int]) -> bool:
+    """Whether an autograd node's attributes (a custom Function's context), or those of an object among them (TE's
+    backward-argument records), include one of the objects ``ids``."""
+    for value in getattr(node, "__dict__", {}).values():
+        if id(value) in ids or any(id(v) in ids for v in getattr(value, "__dict__", {}).values()):
+            return True
+    return False
+
+
+def _graph_holds(tensor: torch.Tensor, ids: set[int]) -> bool:
+    """Whether ``tensor``'s autograd graph has a node that references one of the objects ``ids``."""
+    stack, seen = [tensor.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if _references(node, ids):
+            return True
+        stack.extend(fn for fn, _ in node.next_functions)
+    return False
+
+
+def _plain_objects(module: torch.nn.Module) -> Iterable[Any]:
+    """The non-module objects a module keeps as attributes (e.g. Megatron's ``token_dispatcher``)."""
+    for value in vars(module).values():
+        if not isinstance(value, (torch.nn.Module, torch.Tensor, type)) and hasattr(value, "__dict__"):
+            yield value
+
+
+def detach_held_graphs(models: Iterable[torch.nn.Module], communicators: Iterable[Any]) -> list[str]:
+    """Replace every tensor that a module of ``models``, or a plain object one of them keeps as an attribute, holds
+    between steps with an autograd graph reaching one of ``communicators`` (TE's live ones) by its detached self.
+    Tensors whose graph holds no communicator are left as they are (a model may mean to keep those). Call between
+    steps only (after the backward).
+
+    Returns:
+        ``"Class.attribute"`` of each tensor detached, for the report and the tests.
+    """
+    ids = {id(c) for c in communicators}
+    detached, seen = [], set()
+    if not ids:
+        return detached
+    for model in models:
+        for module in model.modules():
+            for owner in (module, *_plain_objects(module)):
+                if id(owner) in seen:
+                    continue
+                seen.add(id(owner))
+                for name, value in list(vars(owner).items()):
+                    if isinstance(value, torch.Tensor) and value.grad_fn is not None and _graph_holds(value, ids):
+                        object.__setattr__(owner, name, value.detach())
+                        detached.append(f"{type(owner).__name__}.{name}")
+    return detached
+
+
+def holder_name(referrer: Any) -> str:
+    """A referrer's type; for an object's ``__dict__``, the object's type too (e.g. ``dict of _LinearBackward``: an
+    autograd context that a kept graph holds)."""
+    if isinstance(referrer, dict):
+        for owner in gc.get_referrers(referrer):
+            if getattr(owner, "__dict__", None) is referrer:
+                return f"dict of {type(owner).__name__}"
+    return type(referrer).__name__
