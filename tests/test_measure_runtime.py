@@ -1,4 +1,5 @@
 import math
+import types
 
 import fakes
 import pytest
@@ -359,6 +360,7 @@ class _KeepsCommunicator(torch.autograd.Function):
 class _Dispatcher:  # not a module, as Megatron's MoE token dispatchers
     def __init__(self) -> None:
         self.probs = None
+        self._comm_manager = types.SimpleNamespace(token_probs=None)  # the flex dispatcher's
 
 
 def test_a_switch_frees_a_graph_that_the_model_keeps_between_steps(fake_te):
@@ -372,6 +374,7 @@ def test_a_switch_frees_a_graph_that_the_model_keeps_between_steps(fake_te):
     x = torch.randn(4, requires_grad=True)
     y = _KeepsCommunicator.apply(x, fake_te._ub_communicators["qkv_fprop"])
     model.token_dispatcher.probs = y.softmax(-1)  # kept until the next forward
+    model.token_dispatcher._comm_manager.token_probs = y + 1
     model.cached_output = y * 3  # a module attribute too (Megatron's SharedExpertMLP.cached_output)
     w = torch.nn.Parameter(torch.ones(4))
     model.scaled = w * 2  # a graph with no communicator: the model may mean to keep it, so it stays
@@ -382,7 +385,7 @@ def test_a_switch_frees_a_graph_that_the_model_keeps_between_steps(fake_te):
     assert fake_te.destroys == 1
     assert torch.equal(model.token_dispatcher.probs, kept) and model.token_dispatcher.probs.grad_fn is None
     assert model.cached_output.grad_fn is None and model.scaled.grad_fn is not None
-    assert sw.detached == {"_Dispatcher.probs", type(model).__name__ + ".cached_output"}
+    assert sw.detached == {"_Dispatcher.probs", "SimpleNamespace.token_probs", type(model).__name__ + ".cached_output"}
 
     # without the model, the check still names the holder: the autograd context of the graph kept alive
     sw2 = ub_runtime.UbSwitcher(fakes.fake_init_args(), find_overlap_modules(model))

@@ -41,11 +41,17 @@ def _graph_holds(tensor: torch.Tensor, ids: set[int]) -> bool:
     return False
 
 
-def _plain_objects(module: torch.nn.Module) -> Iterable[Any]:
-    """The non-module objects a module keeps as attributes (e.g. Megatron's ``token_dispatcher``)."""
-    for value in vars(module).values():
-        if not isinstance(value, (torch.nn.Module, torch.Tensor, type)) and hasattr(value, "__dict__"):
+def _plain_objects(owner: Any, depth: int = 2) -> Iterable[Any]:
+    """The non-module objects an object keeps as attributes, and theirs, ``depth`` levels down (Megatron's MoE layer
+    keeps a ``token_dispatcher``; the flex dispatcher keeps its tensors on a ``_comm_manager``)."""
+    if depth == 0:
+        return
+    for value in vars(owner).values():
+        if not isinstance(value, (torch.nn.Module, torch.Tensor, type)) and isinstance(
+            getattr(value, "__dict__", None), dict
+        ):
             yield value
+            yield from _plain_objects(value, depth - 1)
 
 
 def detach_held_graphs(models: Iterable[torch.nn.Module], communicators: Iterable[Any]) -> list[str]:
