@@ -1,5 +1,6 @@
 """Search logic on synthetic timing functions (no sleeping: a cost model plus seeded noise)."""
 
+import math
 import random
 import re
 
@@ -631,3 +632,29 @@ def test_a_step_is_priced_at_its_wall_time_when_trials_of_two_lengths_tell_it():
     assert wall_per_step([(2, 0.63), (2, 0.64), (2, 0.65), (5, 1.05), (5, 1.06), (5, 4.07)]) == pytest.approx(0.14)
     assert wall_per_step([(2, 0.63), (2, 0.65), (5, 1.05)]) is None  # the second length once
     assert wall_per_step([(2, 0.63)] * 9) is None
+
+
+def test_a_decision_within_the_noise_says_what_seeing_a_1pct_gain_would_take():
+    """+-8% of a step after 9 quadruples of 2 s: 1% needs 9 * 8^2 = 576 quadruples, 1152 s; none when already +-1%."""
+    from megatron_tp_overlap.engine.decision import noise_hint
+
+    line = noise_hint(8.0, 9, 100.0, 18.0)
+    assert "+-8.0% of a step after 9 quadruples" in line and "about 576 quadruples (~1152 s)" in line
+    assert noise_hint(1.0, 9, 100.0, 18.0) == "" and noise_hint(math.inf, 9, 100.0, 18.0) == ""
+
+    def one_pct_at_8_sms(gemm, config):
+        c = config.ub.get(gemm)
+        return 0.99 if c is not None and c.num_sm == 8 else 1.0
+
+    topo, space, ref, base = setup()
+    res = Searcher(
+        topo,
+        space,
+        Synthetic(topo, cost=one_pct_at_8_sms, noise=0.4, seed=2),  # steps +-40%: the interval stays wide
+        CTX,
+        SearchOptions(max_steps=10_000, max_seconds=1e9),
+    ).run(ref, base)
+    assert res.best_name == "reference" and "within the noise" in res.reason, res.reason
+    assert "steps are noisy (+-2.4% of a step after 24 quadruples): a gain of 1% of a step would need about 138" in (
+        res.reason
+    )

@@ -19,6 +19,20 @@ from megatron_tp_overlap.engine.trial import (
 )
 
 
+def noise_hint(half_width_ms: float, quads: int, ref_ms: float, seconds: float, gain: float = 0.01) -> str:
+    """What the final decision would need to see a gain of ``gain`` of a step at the noise it met: its interval
+    narrows as 1/sqrt(quadruples). "" when its interval was already that narrow. (On 2 x H100 the dense TP=2 runs
+    met +-6.6-14.5% of a step after 9-10 quadruples, against +-0.8% on one GPU: benchmarks/results/2026-11-25_h100x2/.)
+    """
+    if quads <= 0 or not math.isfinite(half_width_ms) or half_width_ms <= gain * ref_ms:
+        return ""
+    need = math.ceil(quads * (half_width_ms / (gain * ref_ms)) ** 2)
+    return (
+        f"; this run's steps are noisy (+-{100 * half_width_ms / ref_ms:.1f}% of a step after {quads} quadruples): "
+        f"a gain of {100 * gain:g}% of a step would need about {need} quadruples (~{need * seconds / quads:.0f} s)"
+    )
+
+
 class FinalDecision:
     """The selection round and the ABBA decision (mixin)."""
 
@@ -127,7 +141,7 @@ class FinalDecision:
                 reason = (
                     f"best was {best.name}, {slot.describe(ref=ref_ms)} per step vs the reference: within the noise "
                     "(not faster beyond the interval), keeping the reference"
-                )
+                ) + noise_hint(slot.half_width, decision["quadruples"], ref_ms, decision["seconds"])
                 if slot.estimate > 0 and not step.slower:  # ahead, unresolved: real iterations can settle it
                     undecided = TuningConfig(best.config.ub, best.config.disabled, best.name)
             break
@@ -243,7 +257,7 @@ class FinalDecision:
         order: list[int] = []
         slot_blocks: list[float] = []
         step_blocks: list[float] = []
-        quads, error = 0, None
+        quads, error, seconds = 0, None, 0.0
         slot_iv = step_iv = paired.gain_interval([], o.level)
         rest_of_quad = Work(3 * bs + o.warmup_steps, 1, 2)  # after its first block
         while quads < o.max_quads and error is None and self._can_afford(bs, rest_of_quad):
@@ -255,6 +269,7 @@ class FinalDecision:
                     error = t.error
                     break
                 c.samples.extend(t.step_samples)
+                seconds += t.seconds
                 slot_blocks.append(statistics.median(self._step_slot_sums(t) or t.step_samples))
                 step_blocks.append(statistics.median(t.step_samples))
                 order.append(which)
@@ -276,6 +291,7 @@ class FinalDecision:
         return {
             "candidate": cand.name,
             "quadruples": quads,
+            "seconds": round(seconds, 3),  # the decision's trials, switches included
             "block_steps": bs,
             "level": slot_iv.level,  # of the look that ended it
             "error": error,
