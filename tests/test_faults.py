@@ -187,3 +187,18 @@ def test_a_failure_mid_step_on_one_rank_ends_every_rank_with_the_same_line_inste
         for ls in lines
     )
     assert not list(tmp_path.glob("r*.json"))  # no rank went on as if nothing happened
+
+
+def test_a_repeated_trial_error_is_printed_once_and_counted_in_the_decision_line(fake_te):
+    """On 2 x H100 one broken switch printed the same 'trial failed' line 96 times, and the decision's line did not
+    say that most trials had failed: the first one is printed, the rest are counted in the decision's line."""
+    tuner, _ = make_tuner(faults=faults.parse("step:fc2_fprop"))
+    lines: list[str] = []
+    tuner.log = lambda *a: lines.append(" ".join(map(str, a)))
+    res = tuner.tune()
+    failed = [t for t in res.search.trials if t.error]
+    printed = [x for x in lines if "trial failed on this rank" in x]
+    assert len(failed) > 1 and len(printed) == 1 and "InjectedFault" in printed[0], printed
+    note = f"; {len(failed)} of {len(res.search.trials)} trials failed, {len(failed)} of them on this rank with: "
+    assert note + "InjectedFault: injected fault during a trial step" in res.search.reason, res.search.reason
+    assert tuner._failures.note([]) == ""

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import collections
 import math
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from megatron_tp_overlap.engine import paired
 from megatron_tp_overlap.engine.options import STRATEGIES, TuneOptions
@@ -25,6 +27,35 @@ class Measurement:
 
 class TrialFailed(RuntimeError):
     """A config raised (or gave a bad result) on some rank; all ranks raise it together."""
+
+
+class FailureTally:
+    """This rank's trial failures by error text: the first of each is logged, repeats are counted for the decision's
+    line (on 2 x H100 one broken switch printed 96 identical lines, and the decision's line did not say that most
+    trials had failed)."""
+
+    def __init__(self) -> None:
+        self.counts: collections.Counter[str] = collections.Counter()
+
+    def clear(self) -> None:
+        self.counts.clear()
+
+    def log(self, line: str, log: Callable[[str], Any]) -> None:
+        why = line.split(": ", 1)[-1]
+        self.counts[why] += 1
+        if self.counts[why] == 1:
+            log(line + " (repeats of this error are counted, not printed)")
+
+    def note(self, trials: Sequence[Trial]) -> str:
+        """'; N of M trials failed, ...' for the decision's line ("" when none failed; N agreed over the ranks)."""
+        failed = sum(1 for t in trials if t.error)
+        if not failed:
+            return ""
+        out = f"; {failed} of {len(trials)} trials failed"
+        if self.counts:
+            why, n = self.counts.most_common(1)[0]
+            out += f", {n} of them on this rank with: {why[:300]}"
+        return out
 
 
 Evaluate = Callable[[TuningConfig, int, int], Measurement]  # (config, steps, warmup) -> Measurement

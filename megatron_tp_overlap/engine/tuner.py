@@ -41,6 +41,7 @@ from megatron_tp_overlap.engine.topology import (
     build_topology,
     find_overlap_modules,
 )
+from megatron_tp_overlap.engine.trial import FailureTally
 from megatron_tp_overlap.ub.config import UbConfig
 from megatron_tp_overlap.ub.presets import PRESETS
 from megatron_tp_overlap.ub.rules import ValidationContext, check
@@ -141,6 +142,7 @@ class Autotuner(NumericsGuard):
         self._ref_fp: torch.Tensor | None = None
         self._guard_off: str | None = None
         self._trial_index = 0
+        self._failures = FailureTally()  # this rank's trial errors: the first printed, repeats counted
         self._agreed_elapsed = 0.0  # wall seconds since tuning began, max over ranks, at the last agreement
         self.numerics: dict[str, float] = {}
 
@@ -181,7 +183,7 @@ class Autotuner(NumericsGuard):
             each phase and each step, so a rank that fails between steps never leaves the others waiting in
             the next step's collectives; one failing inside a step ends the job rather than hanging it."""
             nonlocal error
-            ok = self.lockstep.attempt(fn, self.log)
+            ok = self.lockstep.attempt(fn, lambda line: self._failures.log(line, self.log))
             error = error if ok else 1.0
             return ok
 
@@ -216,7 +218,7 @@ class Autotuner(NumericsGuard):
                 return True
             except Exception as e:  # noqa: BLE001 - the other ranks hear of it at the trial's agreement
                 failed_here, error = f"{type(e).__name__}: {e}", 1.0
-                self.log(f"[tp-overlap-autotune] trial failed on this rank: {failed_here}")
+                self._failures.log(f"[tp-overlap-autotune] trial failed on this rank: {failed_here}", self.log)
                 return False
 
         def in_order(fns: list[Callable[[], Any]], ends_trial: bool) -> bool:
@@ -311,6 +313,7 @@ class Autotuner(NumericsGuard):
 
     def _tune(self) -> TuneResult:
         t0 = self.clock()
+        self._failures.clear()
         self._t0 = t0
         priors = list(self.priors) if self.priors is not None else [UbConfig(), *PRESETS.values()]
         space = build_space(self.topology, self.ctx, [self.reference, *priors], self.space_spec)
@@ -352,6 +355,7 @@ class Autotuner(NumericsGuard):
         searcher.report_only = frozenset(outside_mode | (set() if self.no_overlap_eligible else {"no overlap"}))
         searcher.switch_sets = dict(self.switch_sets)
         result = searcher.run(reference, baselines)
+        result.reason += self._failures.note(result.trials)
         self.switcher.apply(result.best)
         wall = self.clock() - t0
         meta = {
