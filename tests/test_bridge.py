@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
+import math
 import sys
 import types
 from dataclasses import dataclass
@@ -272,3 +274,245 @@ def test_the_runs_configs_follow_the_recipe_and_its_revert(bridge, tmp_path, mon
     assert c.tp_comm_overlap_cfg.fc2_fprop.num_sm == 3  # the comm-overlap config's dataclass follows it too
     follow(recipe(UbConfig(), active, active, tmp_path / "t.yaml", tp=2))  # no overlap at all
     assert m.tp_comm_overlap is False and c.tp_comm_overlap is False and m.tp_comm_overlap_ag is True
+
+
+# ---- benchmarks/bridge_autotune.py: the MoE model and the one-GPU state-identity runs (Bridge stood in for) ----
+
+
+def _bridge_autotune():
+    from benchmark_module import load_benchmark
+
+    return load_benchmark("bridge_autotune")
+
+
+def _recording(name):
+    """A stand-in for a Bridge config dataclass: keeps its keyword arguments."""
+    return type(name, (SimpleNamespace,), {})
+
+
+@pytest.fixture
+def bridge_configs(bridge, monkeypatch):
+    """Bridge 0.6's config classes and megatron-core's decoder block spec, as stand-ins that keep their arguments."""
+    gpt = types.ModuleType("megatron.bridge.models.gpt_provider")
+    gpt.GPTModelProvider = _recording("GPTModelProvider")
+    config = types.ModuleType("megatron.bridge.training.config")
+    for n in (
+        "CheckpointConfig",
+        "ConfigContainer",
+        "DistributedDataParallelConfig",
+        "LoggerConfig",
+        "MockGPTDatasetConfig",
+        "OptimizerConfig",
+        "RNGConfig",
+        "SchedulerConfig",
+        "TrainingConfig",
+    ):
+        setattr(config, n, _recording(n))
+    tok = types.ModuleType("megatron.bridge.training.tokenizers.config")
+    tok.TokenizerConfig = _recording("TokenizerConfig")
+    specs = types.ModuleType("megatron.core.models.gpt.gpt_layer_specs")
+
+    def get_gpt_decoder_block_spec(config, use_transformer_engine, normalization=None, qk_l2_norm=False, vp_stage=None):
+        return ("block spec", config, use_transformer_engine, vp_stage)
+
+    specs.get_gpt_decoder_block_spec = get_gpt_decoder_block_spec
+    mods = {
+        "megatron.bridge.models": types.ModuleType("megatron.bridge.models"),
+        "megatron.bridge.models.gpt_provider": gpt,
+        "megatron.bridge.training.config": config,
+        "megatron.bridge.training.tokenizers": types.ModuleType("megatron.bridge.training.tokenizers"),
+        "megatron.bridge.training.tokenizers.config": tok,
+        "megatron.core": types.ModuleType("megatron.core"),
+        "megatron.core.models": types.ModuleType("megatron.core.models"),
+        "megatron.core.models.gpt": types.ModuleType("megatron.core.models.gpt"),
+        "megatron.core.models.gpt.gpt_layer_specs": specs,
+    }
+    for name, mod in mods.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+    return specs
+
+
+def _moe_case_fields() -> dict:
+    """The Megatron-LM case moe_tp2's model, as megatron-core TransformerConfig fields (Megatron-LM's flag names:
+    --num-experts is num_moe_experts, --moe-x-y is moe_x_y; --moe-layer-freq is a Python expression)."""
+    import shlex
+
+    from benchmark_module import load_benchmark
+
+    words = shlex.split(load_benchmark("suite").load_cases()["moe_tp2"]["command"])
+    extra = shlex.split(next(w.split("=", 1)[1] for w in words if w.startswith("--extra=")))
+    out, i = {}, 0
+    while i < len(extra):
+        name = extra[i][2:].replace("-", "_")
+        name = {"num_experts": "num_moe_experts"}.get(name, name)
+        if i + 1 < len(extra) and not extra[i + 1].startswith("--"):
+            v = extra[i + 1]
+            out[name] = eval(v) if name == "moe_layer_freq" else type_of(v)
+            i += 2
+        else:
+            out[name], i = True, i + 1
+    shape = {"--hidden": "hidden_size", "--ffn": "ffn_hidden_size", "--heads": "num_attention_heads"}
+    shape["--kv-groups"] = "num_query_groups"
+    out.update({f: int(words[words.index(flag) + 1]) for flag, f in shape.items()})
+    return out
+
+
+def type_of(v: str):
+    for t in (int, float):
+        try:
+            return t(v)
+        except ValueError:
+            pass
+    return v
+
+
+def test_the_moe_provider_is_the_megatron_lm_moe_case_through_the_providers_fields(bridge_configs, tmp_path):
+    ba = _bridge_autotune()
+    a = ba.parser().parse_args(["--moe", "--tp", "2", "--seq", "4096", "--out", str(tmp_path)])
+    cfg = ba.build_config(a)
+    m = vars(cfg.model)
+    want = _moe_case_fields()
+    assert {k: m.get(k) for k in want} == want  # every MoE field and the shape, as in the Megatron-LM case
+    assert m["num_moe_experts"] == 32 and m["moe_layer_freq"] == [0, 1, 1, 1] and m["kv_channels"] == 128
+    assert (m["tensor_model_parallel_size"], m["sequence_parallel"], m["seq_length"]) == (2, True, 4096)
+    spec = m["transformer_layer_spec"]  # the block spec follows moe_layer_freq (the first layer dense)
+    assert spec.func is bridge_configs.get_gpt_decoder_block_spec and spec.keywords == {"use_transformer_engine": True}
+    assert type(cfg.comm_overlap).__name__ == "AutotuneCommOverlapConfig"
+
+    dense = vars(ba.build_config(ba.parser().parse_args(["--tp", "2", "--out", str(tmp_path)])).model)
+    assert "num_moe_experts" not in dense and "transformer_layer_spec" not in dense
+    assert (dense["hidden_size"], dense["num_query_groups"]) == (4096, 8)
+    one = ba.build_config(ba.parser().parse_args(["--moe", "--tp", "1", "--out", str(tmp_path)]))
+    assert one.comm_overlap is None and one.model.sequence_parallel is False  # TP=1: no userbuffers, no SP
+
+
+def _rows(n: int, loss=lambda i: 10.0 / i, moe=lambda i: ["0.5", "0.25"]) -> list[dict]:
+    return [{"iteration": i, "lm loss": repr(loss(i)), "moe": {"load_balancing_loss": moe(i)}} for i in range(1, n + 1)]
+
+
+def _write_runs(tmp_path, **iterations):
+    from benchmark_module import load_benchmark
+
+    study = load_benchmark("trials_leave_state")
+    for name, rows in iterations.items():
+        if rows is not None:
+            study.run_file(tmp_path, name.replace("_", " ")).write_text(json.dumps({"iterations": rows}) + "\n")
+    names = [n.replace("_", " ") for n in iterations]
+    return study.compare(study.read_runs(tmp_path, names), 20)
+
+
+def test_the_state_runs_are_compared_bitwise_from_their_files(tmp_path):
+    ba = _bridge_autotune()
+    same = _write_runs(tmp_path, no_trials=_rows(20), no_trials_again=_rows(20), trials=_rows(20))
+    assert ba.state_verdict(same, 20) == [
+        "first 20 losses, trials vs no trials: bitwise equal",
+        "first 20 losses, control (no trials twice): bitwise equal",
+    ]
+    # one ulp in iteration 7's loss is a difference; past the 20 compared, nothing counts
+    ulp = _rows(25, loss=lambda i: math.nextafter(10.0 / i, 0.0) if i in (7, 22) else 10.0 / i)
+    diff = _write_runs(tmp_path, no_trials=_rows(25), no_trials_again=_rows(25), trials=ulp)
+    assert ba.state_verdict(diff, 20)[0] == "first 20 losses, trials vs no trials: differ from iteration 7"
+    late = _rows(25, loss=lambda i: 0.0 if i == 22 else 10.0 / i)
+    assert ba.state_verdict(_write_runs(tmp_path, no_trials=_rows(25), trials=late), 20) == [
+        "first 20 losses, trials vs no trials: bitwise equal"  # no control run: no control line
+    ]
+    # the MoE metrics count too
+    moe = _rows(20, moe=lambda i: ["0.5", "0.125"] if i == 3 else ["0.5", "0.25"])
+    lines = ba.state_verdict(_write_runs(tmp_path, no_trials=_rows(20), no_trials_again=moe, trials=_rows(20)), 20)
+    assert lines[1] == "first 20 losses, control (no trials twice): differ from iteration 3"
+    # a run that died wrote no file (or too few iterations): not compared, never "equal"
+    (tmp_path / "trials.json").unlink()
+    dead = _write_runs(tmp_path, no_trials=_rows(20), trials=None)
+    assert ba.state_verdict(dead, 20)[0].endswith("not compared (a run logged fewer than 20 iterations)")
+
+
+def test_a_state_run_gets_its_file_and_trial_count_before_the_overrides(tmp_path):
+    ba = _bridge_autotune()
+    argv = ["--state-identity", "--moe", "--tp", "1", "--trials", "30", "--out", str(tmp_path), "--", "train.x=1"]
+    child = ba.child_args(argv, tmp_path / "no_trials.json", 0)
+    a = ba.parser().parse_args(child)
+    assert "--state-identity" not in child and a.trials == 0 and a.state_run == str(tmp_path / "no_trials.json")
+    assert a.moe and a.tp == 1 and a.overrides == ["train.x=1"]
+    assert ba.parser().parse_args(ba.child_args(argv[:-2], tmp_path / "t.json", 30)).trials == 30
+
+
+@pytest.mark.parametrize("trials", [0, 5])
+def test_a_state_run_runs_the_trials_before_bridges_loop_and_logs_every_iteration(
+    bridge, tmp_path, monkeypatch, trials
+):
+    """Inside one run: Bridge's train gets the iterator the trials hand back, every iteration's losses are written
+    with Bridge's step count (its training_log has no iteration argument), the state check's verdict with them."""
+    from benchmark_module import load_benchmark
+
+    from megatron_tp_overlap.integrations.megatron import outputs
+
+    ba = _bridge_autotune()
+    study = load_benchmark("trials_leave_state")
+    seen = {}
+
+    def run_trials(model, fwd, optimizer, it, run, n, meta, check_state, switch):
+        seen.update(fwd=fwd, it=it, tp=run.tp, n=n, check_state=check_state, switch=switch)
+        meta["trial_microbatches"] = 1
+        return "replayed", "check"
+
+    monkeypatch.setattr(study, "run_trials", run_trials)
+    monkeypatch.setitem(sys.modules, "trials_leave_state", study)
+    monkeypatch.setattr(outputs, "_verdict", lambda check, log: {"result": f"verdict on {check}"})
+    monkeypatch.setenv("MEGATRON_TP_OVERLAP_CHECK_STATE", "1")
+    monkeypatch.delenv("MEGATRON_TP_OVERLAP_DETERMINISTIC", raising=False)
+    train_mod = sys.modules["megatron.bridge.training.train"]
+    logged = []
+    train_mod.training_log = lambda loss_dict, *rest, **kw: logged.append(loss_dict)
+    gpt_step = types.ModuleType("megatron.bridge.training.gpt_step")
+    gpt_step.forward_step = "fwd"
+    monkeypatch.setitem(sys.modules, "megatron.bridge.training.gpt_step", gpt_step)
+    state = SimpleNamespace(cfg=container(tmp_path, None, tp=1, sequence_parallel=False), train_state=None)
+
+    def pretrain(cfg, forward_step):  # Bridge's: setup, then train(); its loop counts a step, then logs it
+        sys.modules["megatron.bridge.training.pretrain"].train(
+            forward_step, ["model"], "opt", "sched", "it", None, state, "ckpt", "pg", callback_manager=None
+        )
+        for step in (1, 2, 3):
+            state.train_state = SimpleNamespace(step=step)
+            train_mod.training_log({"lm loss": 1.0 / step}, {}, 3e-4, None, 1.0)
+
+    bridge.pretrain.pretrain = pretrain
+    monkeypatch.setattr(ba, "build_config", lambda a: state.cfg)
+    a = ba.parser().parse_args(["--moe", "--tp", "1", "--trials", str(trials), "--out", str(tmp_path)])
+    ba.state_run(a, tmp_path / "run.json")
+
+    out = json.loads((tmp_path / "run.json").read_text())
+    assert [r["iteration"] for r in out["iterations"]] == [1, 2, 3] and len(logged) == 3
+    assert out["iterations"][1]["lm loss"] == repr(0.5) and out["iterations"][1]["moe"] == {}
+    assert bridge.calls["train"] == ("replayed" if trials else "it")  # Bridge's own train got the handed-back one
+    if trials:
+        assert seen["fwd"] == ("wrapped", "fwd") and seen["it"] == "it" and (seen["tp"], seen["n"]) == (1, 5)
+        assert seen["check_state"] is True and callable(seen["switch"])
+        assert out["state_check"] == {"result": "verdict on check"} and out["trials"] == 5
+    else:
+        assert not seen and "state_check" not in out
+
+
+def test_the_bridge_moe_cases_install_bridge_first_and_parse_with_the_scripts_own_parser():
+    import re
+    import shlex
+
+    from benchmark_module import load_benchmark
+
+    ba, cases = _bridge_autotune(), load_benchmark("suite").load_cases()
+    for name, gpus, tp in (("bridge_moe_state_1gpu", 1, 1), ("bridge_moe_tp2", 2, 2)):
+        case = cases[name]
+        assert case["gpus"] == gpus and case["command"].startswith("bash .bridge/install.sh && ")
+        runs = [shlex.split(p.replace("'", " ")) for p in re.split(r"&&", case["command"]) if "bridge_autotune.py" in p]
+        assert runs, name
+        for words in runs:
+            a = ba.parser().parse_args(words[words.index("benchmarks/bridge_autotune.py") + 1 :])
+            assert a.moe and a.tp == tp and a.seq % tp == 0
+            assert all(v % tp == 0 for v in (ba.MOE_SHAPE["num_query_groups"], ba.MOE["moe_ffn_hidden_size"]))
+        if gpus == 1:
+            assert a.state_identity and a.iters >= 20 and "MEGATRON_TP_OVERLAP_CHECK_STATE=1" in case["command"]
+        else:
+            assert [
+                x.no_autotune
+                for x in (ba.parser().parse_args(w[w.index("benchmarks/bridge_autotune.py") + 1 :]) for w in runs)
+            ] == [False, True]

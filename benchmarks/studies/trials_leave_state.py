@@ -24,49 +24,83 @@ import os
 import shlex
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, Optional
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 RUNS = ("no trials", "no trials again", "trials")
 
 
+def iteration_row(iteration: int, loss_dict: dict) -> dict:
+    """One training iteration's exact losses (``repr`` of the floats) and the MoE metrics the training loop's log is
+    about to report; call before that log, which clears them (Megatron-LM's ``training_log`` and Bridge's alike)."""
+    from megatron_tp_overlap.integrations.megatron.state import moe_metrics_tracker
+
+    tracker = moe_metrics_tracker()
+    moe = {n: [repr(float(v)) for v in e.values.tolist()] for n, e in tracker.metrics.items()} if tracker else {}
+    return {"iteration": iteration, **{k: repr(float(v)) for k, v in loss_dict.items()}, "moe": moe}
+
+
+def run_trials(
+    model: list,
+    forward_step_func: Callable,
+    optimizer: Any,
+    data_iterator: Any,
+    run: Any,
+    trials: int,
+    meta: dict,
+    check_state: bool = True,
+    switch: Optional[Callable[[], None]] = None,
+    steps_per_switch: int = 3,
+) -> tuple[Any, Any]:
+    """``trials`` of tuning's own trial steps before the first iteration, in the order ``tune()`` runs them (``switch``:
+    called before every ``steps_per_switch`` steps, e.g. a simulated userbuffers switch at TP=1); returns the data
+    iterator the training loop must use and the ``StateCheck`` (None unless ``check_state``). ``meta`` gets the
+    check's result and the trial micro-batches."""
+    import torch
+
+    from megatron_tp_overlap.integrations.megatron.outputs import _state_check
+    from megatron_tp_overlap.integrations.megatron.tuning import MegatronSteps, hand_over
+
+    steps = MegatronSteps(model, forward_step_func, optimizer, data_iterator, run)
+    check = _state_check(model, optimizer, steps) if check_state else None
+    steps.zero()
+    for i in range(trials):
+        if switch is not None and i % steps_per_switch == 0:
+            switch()
+        steps.step()
+        if i in (0, trials - 1):  # the numerics guard's fingerprints
+            steps.fingerprint()
+    steps.zero()
+    steps.snapshot.restore()
+    torch.cuda.synchronize()
+    if check is not None:
+        meta["state_check_mismatches"], meta["state_check_covered"] = check.mismatches(), check.kinds_checked()
+    meta["trial_microbatches"] = steps.n_mb
+    holder = type("Tuned", (), {})()
+    holder.data_iterator = steps.data.release()
+    return hand_over(holder), check
+
+
 def inner(out: Path, trials: int, argv: list[str]) -> None:
     import megatron.training.training as training
-    import torch
     from megatron.training import get_args
 
     from megatron_tp_overlap.integrations.megatron.launcher import run_script
-    from megatron_tp_overlap.integrations.megatron.outputs import _state_check
     from megatron_tp_overlap.integrations.megatron.run_shape import RunShape
-    from megatron_tp_overlap.integrations.megatron.state import moe_metrics_tracker
-    from megatron_tp_overlap.integrations.megatron.tuning import MegatronSteps, hand_over
 
     original_train, original_log, rows, meta = training.train, training.training_log, [], {"trials": trials}
 
     def training_log(loss_dict, total_loss_dict, learning_rate, iteration, *rest, **kw):
-        tracker = moe_metrics_tracker()  # reported and cleared by the original: read it first
-        moe = {n: [repr(float(v)) for v in e.values.tolist()] for n, e in tracker.metrics.items()} if tracker else {}
-        rows.append({"iteration": iteration, **{k: repr(float(v)) for k, v in loss_dict.items()}, "moe": moe})
+        rows.append(iteration_row(iteration, loss_dict))
         return original_log(loss_dict, total_loss_dict, learning_rate, iteration, *rest, **kw)
 
     def train(forward_step_func, model, optimizer, scheduler, data_iterator, *rest, **kw):
         if trials:
-            steps = MegatronSteps(model, forward_step_func, optimizer, data_iterator, RunShape.from_args(get_args()))
-            check = _state_check(model, optimizer, steps)
-            steps.zero()
-            for i in range(trials):
-                steps.step()
-                if i in (0, trials - 1):  # the numerics guard's fingerprints
-                    steps.fingerprint()
-            steps.zero()
-            steps.snapshot.restore()
-            torch.cuda.synchronize()
-            meta["state_check_mismatches"], meta["state_check_covered"] = check.mismatches(), check.kinds_checked()
-            meta["trial_microbatches"] = steps.n_mb
-            holder = type("Tuned", (), {})()
-            holder.data_iterator = steps.data.release()
-            data_iterator = hand_over(holder)
+            run = RunShape.from_args(get_args())
+            data_iterator, _ = run_trials(model, forward_step_func, optimizer, data_iterator, run, trials, meta)
         return original_train(forward_step_func, model, optimizer, scheduler, data_iterator, *rest, **kw)
 
     training.train, training.training_log = train, training_log
@@ -76,6 +110,16 @@ def inner(out: Path, trials: int, argv: list[str]) -> None:
         if int(os.environ.get("RANK", "0")) == 0:
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps({**meta, "iterations": rows}) + "\n")
+
+
+def run_file(out: Path, name: str) -> Path:
+    """Where run ``name`` writes its iterations (``out/no_trials.json``, ...)."""
+    return out / f"{name.replace(' ', '_')}.json"
+
+
+def read_runs(out: Path, names: list[str]) -> dict[str, dict]:
+    """Each run's file; a run that wrote none (it died before) has no iterations."""
+    return {n: json.loads(f.read_text()) if (f := run_file(out, n)).exists() else {"iterations": []} for n in names}
 
 
 def compare(runs: dict[str, dict], iters: int) -> dict:
@@ -126,15 +170,16 @@ def main() -> None:
     args = one_gpu_args(a.seq, a.iters, **parse_model_shape(a.shape)) + (FP8_ARGS if a.fp8 else [])
     args += shlex.split(a.extra)
     env = {**os.environ, "MEGATRON_TP_OVERLAP_DETERMINISTIC": "1"}
-    runs, codes = {}, {}
+    codes = {}
     for name in [r for r in RUNS if not (a.no_control and r == "no trials again")]:
-        f = out / f"{name.replace(' ', '_')}.json"
+        f = run_file(out, name)
+        f.unlink(missing_ok=True)  # a file of an earlier call must not stand in for a run that dies
         trials = a.trials if name == "trials" else 0
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", __file__, "--inner", str(f)]
         cmd += ["--trials", str(trials), a.script, *args]
         print(" ".join(cmd), flush=True)
         codes[name] = subprocess.run(cmd, env=env).returncode
-        runs[name] = json.loads(f.read_text()) if f.exists() else {"iterations": []}
+    runs = read_runs(out, list(codes))
     result = {"extra": a.extra, "shape": a.shape, "fp8": a.fp8, "exit_codes": codes, **compare(runs, a.iters)}
     result["first_losses"] = {n: [r.get("lm loss") for r in run["iterations"][:3]] for n, run in runs.items()}
     (out / "trials_leave_state.json").write_text(json.dumps(result, indent=1) + "\n")
