@@ -4,6 +4,7 @@ interval decides (``engine.paired``). A mixin of :class:`~engine.search.Searcher
 
 from __future__ import annotations
 
+import bisect
 import math
 import statistics
 from collections.abc import Callable
@@ -213,16 +214,18 @@ class FinalDecision:
         at that moment, drift included."""
         score = score or self._slot_sum
         pts = sorted((t.position, v) for t in trials if not t.error and (v := score(t)) is not None)
+        pos = [p for p, _ in pts]
 
         def at(p: float) -> float:
             if not pts:
                 return math.nan
             if p <= pts[0][0]:
                 return pts[0][1]
-            for (p0, v0), (p1, v1) in zip(pts, pts[1:]):
-                if p <= p1:
-                    return v0 + (v1 - v0) * (p - p0) / (p1 - p0) if p1 > p0 else v1
-            return pts[-1][1]
+            j = bisect.bisect_left(pos, p)  # the first point at or after ``p`` (found by bisection: called per trial)
+            if j == len(pts):
+                return pts[-1][1]
+            (p0, v0), (p1, v1) = pts[j - 1], pts[j]
+            return v0 + (v1 - v0) * (p - p0) / (p1 - p0) if p1 > p0 else v1
 
         return at
 

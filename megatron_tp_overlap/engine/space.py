@@ -8,6 +8,7 @@ checked with the validation rules, so the search never proposes a config TE woul
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -21,11 +22,13 @@ from megatron_tp_overlap.ub.config import (
     RS_GEMMS,
     GemmOverlapConfig,
     UbConfig,
+    cached_hash,
     te_default,
 )
 from megatron_tp_overlap.ub.rules import ValidationContext, check
 
 
+@cached_hash
 @dataclass(frozen=True)
 class TuningConfig:
     """What one trial runs: a ``ub_cfgs`` plus the GEMMs whose overlap is switched off."""
@@ -42,6 +45,7 @@ class TuningConfig:
         return {"label": self.label, "ub_cfgs": self.ub.to_dict(), "overlap_off": sorted(self.disabled)}
 
 
+@cached_hash
 @dataclass(frozen=True)
 class Option:
     """One way to run one GEMM: a config entry (``None``: TE's default) or overlap off."""
@@ -69,8 +73,15 @@ def apply(config: TuningConfig, option: Option, topo: Topology) -> TuningConfig:
 
 
 def is_valid(config: TuningConfig, ctx: ValidationContext) -> bool:
+    return _ub_valid(config.ub, ctx)
+
+
+# The rules depend on the ub config and the context alone (both frozen): remembered across searches, which try the
+# same configs over and over (a simulated search spent an eighth of its time re-validating them)
+@functools.lru_cache(maxsize=1 << 16)
+def _ub_valid(ub: UbConfig, ctx: ValidationContext) -> bool:
     try:
-        check(config.ub, ctx)
+        check(ub, ctx)
     except ConfigError:
         return False
     return True

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -135,6 +136,12 @@ class Topology:
 
     def slots(self) -> dict[str, tuple[str, ...]]:
         """``{"qkv.fwd": ("qkv_fprop",), "qkv.bwd": ("qkv_dgrad", "qkv_wgrad"), ...}`` (active GEMMs)."""
+        return dict(self._slots)  # a copy: callers may change theirs
+
+    # Computed once per topology (it is frozen): the search asks for slots per option and trial (rebuilding them each
+    # time cost a simulated search several % of its time). Kept in the instance's __dict__, outside the fields.
+    @cached_property
+    def _slots(self) -> dict[str, tuple[str, ...]]:
         out: dict[str, tuple[str, ...]] = {}
         own = dict(self.prefix_active)
         for prefix, kind in self.kinds:
@@ -148,10 +155,19 @@ class Topology:
 
     def slots_of(self, gemm: str) -> tuple[str, ...]:
         """Every slot whose time ``gemm``'s config changes (two where shared experts run the same config)."""
-        found = tuple(slot for slot, gemms in self.slots().items() if gemm in gemms)
+        found = self._slots_by_gemm.get(gemm)
         if not found:
             raise KeyError(f"{gemm} is not overlapped by any module of this model")
         return found
+
+    @cached_property
+    def _slots_by_gemm(self) -> dict[str, tuple[str, ...]]:
+        """Per GEMM, the slots that time it, in slot order (once per topology, as :attr:`_slots`)."""
+        out: dict[str, tuple[str, ...]] = {}
+        for slot, gemms in self._slots.items():
+            for g in gemms:
+                out[g] = out.get(g, ()) + (slot,)
+        return out
 
     def slot_of(self, gemm: str) -> str:
         """The first slot of :meth:`slots_of` (the only one in a dense model)."""

@@ -42,6 +42,29 @@ BOOL_KNOBS = (
 INT_KNOBS = ("num_sm", "cga_size", "num_splits", "comm_priority", "gemm_priority")
 
 
+def cached_hash(cls: type) -> type:
+    """Class decorator (above ``@dataclass(frozen=True)``): the dataclass's own hash (of the tuple of its compared
+    fields, the same value), computed once per object. Configs and options key the search's caches and sets, and
+    rehashing their nested fields on every look-up was a large share of a simulated search's time. The cached value
+    stays out of pickles and copies: string hashes differ between processes (ranks)."""
+    names = tuple(f.name for f in fields(cls) if (f.compare if f.hash is None else f.hash))
+
+    def __hash__(self) -> int:
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash(tuple(getattr(self, n) for n in names))
+            object.__setattr__(self, "_hash", h)  # frozen: its fields, hence its hash, never change
+        return h
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
+    cls.__hash__ = __hash__  # type: ignore[method-assign]
+    cls.__getstate__ = __getstate__  # type: ignore[attr-defined]
+    return cls
+
+
+@cached_hash
 @dataclass(frozen=True)
 class GemmOverlapConfig:
     """Overlap settings of one GEMM. ``None`` means "not set: TE's default applies"."""
@@ -87,6 +110,7 @@ class GemmOverlapConfig:
 KNOBS: tuple[str, ...] = tuple(f.name for f in fields(GemmOverlapConfig))
 
 
+@cached_hash
 @dataclass(frozen=True)
 class UbConfig:
     """A whole ``ub_cfgs`` mapping; hashable, entries kept in :data:`GEMM_NAMES` order."""
