@@ -202,3 +202,18 @@ def test_a_repeated_trial_error_is_printed_once_and_counted_in_the_decision_line
     note = f"; {len(failed)} of {len(res.search.trials)} trials failed, {len(failed)} of them on this rank with: "
     assert note + "InjectedFault: injected fault during a trial step" in res.search.reason, res.search.reason
     assert tuner._failures.note([]) == ""
+
+
+def test_when_every_option_fails_the_early_stop_line_says_so_instead_of_every_option_settled(fake_te):
+    """As on 2 x H100 with MoE (every switch refused): the search stopped early 'every option is settled', which read
+    as if every option had been measured."""
+    tuner, _ = make_tuner(
+        faults=faults.parse("step:_")
+    )  # every option's description has a GEMM name, the reference not
+    lines: list[str] = []
+    tuner.log = lambda *a: lines.append(" ".join(map(str, a)))
+    res = tuner.tune()
+    stop = [x for x in lines if "search stops early" in x]
+    assert res.search.best_name == "reference" and len(stop) == 1, lines
+    failed = sum(1 for t in res.search.trials if t.error and t.phase in ("screen", "bracket", "halving", "recheck"))
+    assert failed > 0 and stop[0].endswith(f"; {failed} trials of options failed and measured nothing"), stop

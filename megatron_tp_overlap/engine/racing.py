@@ -268,6 +268,10 @@ class Racing:
                 f"option is settled (none left can beat the incumbent by a gain worth a switch) after {race.rounds} "
                 "rounds of re-measurement"
             )
+        failed = sum(1 for t in self.trials if t.error and t.phase in ("screen", "bracket", "halving", "recheck"))
+        if failed and race.ended.startswith("[tp-overlap-autotune] search stops early"):
+            # on 2 x H100 every MoE switch failed, and this line alone read as if every option had been measured
+            race.ended += f"; {failed} trials of options failed and measured nothing"
         return race
 
     def _round_seconds(self, race: Race) -> float:
