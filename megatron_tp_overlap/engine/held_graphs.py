@@ -27,17 +27,20 @@ def _references(node: Any, ids: set[int]) -> bool:
     return False
 
 
-def _graph_holds(tensor: torch.Tensor, ids: set[int]) -> bool:
-    """Whether ``tensor``'s autograd graph has a node that references one of the objects ``ids``."""
+def _graph_holds(tensor: torch.Tensor, ids: set[int], clean: set[int]) -> bool:
+    """Whether ``tensor``'s autograd graph has a node that references one of the objects ``ids``. ``clean``: nodes
+    known to reach none, shared between the walks of one switch (every MoE layer's kept probs reach back through all
+    earlier layers: without it the walks would cost the square of the depth); a walk that finds none adds its nodes."""
     stack, seen = [tensor.grad_fn], set()
     while stack:
         node = stack.pop()
-        if node is None or id(node) in seen:
+        if node is None or id(node) in seen or id(node) in clean:
             continue
         seen.add(id(node))
         if _references(node, ids):
             return True
         stack.extend(fn for fn, _ in node.next_functions)
+    clean |= seen
     return False
 
 
@@ -64,7 +67,7 @@ def detach_held_graphs(models: Iterable[torch.nn.Module], communicators: Iterabl
         ``"Class.attribute"`` of each tensor detached, for the report and the tests.
     """
     ids = {id(c) for c in communicators}
-    detached, seen = [], set()
+    detached, seen, clean = [], set(), set()
     if not ids:
         return detached
     for model in models:
@@ -74,7 +77,11 @@ def detach_held_graphs(models: Iterable[torch.nn.Module], communicators: Iterabl
                     continue
                 seen.add(id(owner))
                 for name, value in list(vars(owner).items()):
-                    if isinstance(value, torch.Tensor) and value.grad_fn is not None and _graph_holds(value, ids):
+                    if (
+                        isinstance(value, torch.Tensor)
+                        and value.grad_fn is not None
+                        and _graph_holds(value, ids, clean)
+                    ):
                         object.__setattr__(owner, name, value.detach())
                         detached.append(f"{type(owner).__name__}.{name}")
     return detached
