@@ -116,3 +116,12 @@ def test_a_budget_that_leaves_no_time_to_race_says_so_once_with_a_budget_that_wo
     raced, res = search(suggested)
     remeasured = int(re.search(r"(\d+) of 88 screened options re-measured", res.search_end).group(1))
     assert not raced and remeasured >= 66 and res.elapsed_s <= suggested  # most of a round
+
+
+def test_a_hostbound_gain_the_search_leaves_undecided_is_handed_on_to_the_in_run_verification_in_full():
+    """decision_sim hostbound seed 146 (a 1.1% gain, MoE-like host-bound noise): the final decision ends at the budget
+    within the noise and keeps the reference (realized 0), but hands the config ahead to the in-run verification,
+    and that config holds the whole gain: what the run keeps is decided by its own iterations."""
+    gain = random.Random(146).uniform(0.005, 0.05)
+    out = sim.run_once("hostbound", gain, 1000 + 146)
+    assert out.realized == 0.0 and not out.false_winner and out.handed and out.handed_on == 1.0, out

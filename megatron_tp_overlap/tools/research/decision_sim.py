@@ -190,6 +190,10 @@ class Outcome:
     steps: int
     chosen_ms: float = math.nan  # the chosen config's true step time
     seconds: float = 0.0  # the search's time on the simulated clock (0.1 s per step: SimulatedRun)
+    # the search kept the reference but handed a config ahead within the noise to the in-run verification
+    # (SearchResult.undecided): its share of the gain, which the run keeps only if its iterations show it faster
+    handed_on: float = math.nan
+    handed: bool = False  # a config was handed on (in equal worlds too: the verification must then send it back)
 
 
 def best_config(world: World, space: dict[str, list[Option]], ref: TuningConfig) -> TuningConfig:
@@ -249,8 +253,17 @@ def run_once(
         world.step_ms(best_config(world, space, ref)),
     )
     realized = (ref_ms - chosen_ms) / (ref_ms - best_ms) if ref_ms > best_ms else math.nan
+    u = res.undecided if res.best_name == "reference" else None
+    handed = (ref_ms - world.step_ms(u)) / (ref_ms - best_ms) if u is not None and ref_ms > best_ms else math.nan
     return Outcome(
-        realized, chosen_ms / ref_ms - 1, res.best_name != "reference", res.steps_run, chosen_ms, res.elapsed_s
+        realized,
+        chosen_ms / ref_ms - 1,
+        res.best_name != "reference",
+        res.steps_run,
+        chosen_ms,
+        res.elapsed_s,
+        handed,
+        u is not None,
     )
 
 
@@ -274,6 +287,10 @@ def evaluate_rule(
         out[sc] = {
             "realized_mean": statistics.mean(o.realized for o in gains),
             "realized_min": min(o.realized for o in gains),
+            # the worst seed if the in-run verification keeps every config handed on to it (an upper bound: it keeps
+            # one only when the run's iterations show it faster), and how many equal worlds handed one on
+            "realized_min_handed_on": min(o.handed_on if o.handed else o.realized for o in gains),
+            "handed_on_equal": sum(o.handed for o in equal) / len(equal),
             "worst_excess_pct": 100 * max(o.excess for o in gains + equal),
             "false_winner_rate": sum(o.false_winner for o in equal) / len(equal),
             "steps_median": statistics.median(o.steps for o in gains + equal),
@@ -335,7 +352,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     head = (
         f"{'scenario':10} {'realized mean':>14} {'realized min':>13} {'worst vs ref':>13} {'false winners':>14} "
-        f"{'steps':>6} {'tuning s (median / max / budget)':>33}"
+        f"{'steps':>6} {'tuning s (median / max / budget)':>33} {'min if handed on kept':>22} {'equal handed on':>16}"
     )
     if a.vs_exhaustive:
         head += f" {'vs exh. mean':>13} {'vs exh. worst':>14} {'>1% worse':>10} {'steps/exh.':>11}"
@@ -344,7 +361,8 @@ def main(argv: list[str] | None = None) -> None:
         line = (
             f"{sc:10} {100 * r['realized_mean']:13.1f}% {100 * r['realized_min']:12.1f}% "
             f"{r['worst_excess_pct']:+12.2f}% {100 * r['false_winner_rate']:13.1f}% {r['steps_median']:6.0f} "
-            f"{r['seconds_median']:14.1f} / {r['seconds_max']:5.1f} / {r['budget_s']:g}"
+            f"{r['seconds_median']:14.1f} / {r['seconds_max']:5.1f} / {r['budget_s']:g} "
+            f"{100 * r['realized_min_handed_on']:21.1f}% {100 * r['handed_on_equal']:15.1f}%"
         )
         if a.vs_exhaustive:
             line += (
