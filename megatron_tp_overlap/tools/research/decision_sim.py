@@ -19,6 +19,7 @@ the true cost of what it chose:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import math
 import random
@@ -194,6 +195,7 @@ class Outcome:
     # (SearchResult.undecided): its share of the gain, which the run keeps only if its iterations show it faster
     handed_on: float = math.nan
     handed: bool = False  # a config was handed on (in equal worlds too: the verification must then send it back)
+    handed_gain_pct: float = 0.0  # its true gain, % of a step (0 in equal worlds)
 
 
 def best_config(world: World, space: dict[str, list[Option]], ref: TuningConfig) -> TuningConfig:
@@ -264,6 +266,20 @@ def run_once(
         res.elapsed_s,
         handed,
         u is not None,
+        100 * (1 - world.step_ms(u) / ref_ms) if u is not None else 0.0,
+    )
+
+
+def _verified(o: Outcome, seed: int, noise: str) -> Outcome:
+    """``o`` after the in-run verification of the config it handed on (``verify_sim``'s iteration ``noise``, the
+    default ``verify_iters``): kept, it is the run's config (its share of the gain; in an equal world a winner)."""
+    from megatron_tp_overlap.engine.options import TuneOptions
+    from megatron_tp_overlap.tools.research import verify_sim
+
+    if not o.handed or verify_sim.verdict(o.handed_gain_pct, TuneOptions.verify_iters, seed, noise).reverted:
+        return o
+    return dataclasses.replace(
+        o, realized=o.handed_on, excess=-o.handed_gain_pct / 100, false_winner=o.handed_gain_pct == 0.0
     )
 
 
@@ -274,6 +290,7 @@ def evaluate_rule(
     vs_exhaustive: bool = False,
     preset: bool = False,
     clock: tuple[float, float, float] | None = None,
+    verify: str | None = None,
 ) -> dict[str, dict[str, float]]:
     """Per scenario: mean realized share and worst excess over seeds with gains of 0.5-5%, and the false-winner
     rate over seeds where every config costs the same. ``vs_exhaustive``: also the slot-exhaustive search (as the
@@ -284,6 +301,9 @@ def evaluate_rule(
         gain_of = [random.Random(s).uniform(0.005, 0.05) for s in range(seeds)]
         gains = [run_once(sc, gain_of[s], 1000 + s, options, preset, clock) for s in range(seeds)]
         equal = [run_once(sc, 0.0, 5000 + s, options, preset, clock) for s in range(seeds)]
+        if verify:  # the run's in-run verification decides each handed-on config (tools/research/verify_sim.py)
+            gains = [_verified(o, 1000 + s, verify) for s, o in enumerate(gains)]
+            equal = [_verified(o, 5000 + s, verify) for s, o in enumerate(equal)]
         out[sc] = {
             "realized_mean": statistics.mean(o.realized for o in gains),
             "realized_min": min(o.realized for o in gains),
@@ -331,6 +351,11 @@ def main(argv: list[str] | None = None) -> None:
         "e.g. 0.14 0.3 0.05: the Qwen3-MoE-like steps on one H100",
     )
     p.add_argument(
+        "--verify",
+        choices=["locked", "free"],
+        help="let the in-run verification (verify_sim, this iteration noise) decide each config the search hands on",
+    )
+    p.add_argument(
         "--set",
         nargs="+",
         default=[],
@@ -349,6 +374,7 @@ def main(argv: list[str] | None = None) -> None:
         vs_exhaustive=a.vs_exhaustive,
         preset=a.preset,
         clock=tuple(a.clock or ()) or None,
+        verify=a.verify,
     )
     head = (
         f"{'scenario':10} {'realized mean':>14} {'realized min':>13} {'worst vs ref':>13} {'false winners':>14} "
