@@ -191,8 +191,7 @@ class Outcome:
     steps: int
     chosen_ms: float = math.nan  # the chosen config's true step time
     seconds: float = 0.0  # the search's time on the simulated clock (0.1 s per step: SimulatedRun)
-    # the search kept the reference but handed a config ahead within the noise to the in-run verification
-    # (SearchResult.undecided): its share of the gain, which the run keeps only if its iterations show it faster
+    # the config the search handed on to the in-run verification (SearchResult.undecided): its share of the gain
     handed_on: float = math.nan
     handed: bool = False  # a config was handed on (in equal worlds too: the verification must then send it back)
     handed_gain_pct: float = 0.0  # its true gain, % of a step (0 in equal worlds)
@@ -307,8 +306,7 @@ def evaluate_rule(
         out[sc] = {
             "realized_mean": statistics.mean(o.realized for o in gains),
             "realized_min": min(o.realized for o in gains),
-            # the worst seed if the in-run verification keeps every config handed on to it (an upper bound: it keeps
-            # one only when the run's iterations show it faster), and how many equal worlds handed one on
+            # the worst seed if the verification kept every config handed on (an upper bound); equal worlds handing on
             "realized_min_handed_on": min(o.handed_on if o.handed else o.realized for o in gains),
             "handed_on_equal": sum(o.handed for o in equal) / len(equal),
             "worst_excess_pct": 100 * max(o.excess for o in gains + equal),
