@@ -283,6 +283,22 @@ def main() -> None:
         f"stale-communicator guard: switch with a live graph {'refused' if stale['refused'] else 'NOT refused'}; "
         f"after dropping it: out {checks[-1]['out']:.2e}, dgrad {checks[-1]['dgrad_input']:.2e}"
     )
+    # A graph the model itself keeps between steps, as Megatron's MoE dispatcher keeps the last routing probs (every
+    # MoE switch was refused at TP=2 for it): the switch detaches it (engine/held_graphs.py) and goes on
+    sw.apply(reference)
+    out = model(x)
+    out.backward(dy)
+    model.kept_by_model = argparse.Namespace(probs=out.float().softmax(-1))  # a plain object, as the dispatcher
+    del out
+    try:
+        sw.apply(preset)
+        stale["model_held"] = {"switched": True, "detached": sorted(sw.detached)}
+    except StaleCommunicatorError as e:
+        stale["model_held"] = {"switched": False, "message": str(e)[:300]}
+    del model.kept_by_model
+    model.zero_grad(set_to_none=True)
+    x.grad = None
+    log(f"a graph the model keeps between steps: {stale['model_held']}")
 
     flags = None
     if args.check_flags:

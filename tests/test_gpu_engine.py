@@ -74,6 +74,9 @@ def test_engine_tunes_switches_and_matches_no_overlap(tmp_path):
     assert d["extra_switches"] >= 20 and d["tuning_switches"] >= 1
     assert d["stale_guard"]["refused"], "a switch with a live autograd graph must be refused"
     assert d["stale_guard"]["numerics_after"]["dgrad_input"] <= d["numerics"]["rtol"]
+    # a graph the model keeps (Megatron's MoE dispatcher keeps its routing probs) is detached, and the switch goes on
+    held = d["stale_guard"]["model_held"]
+    assert held["switched"] and "Namespace.probs" in held["detached"], held
     from megatron_tp_overlap.ub.rules import ValidationContext, load_and_validate
 
     load_and_validate(tmp_path / f"engine_tp{tp}_tuned.yaml", ValidationContext(tp_size=tp))
