@@ -53,6 +53,9 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE / "studies"))  # the studies this builds on (trials_leave_state, trial_noise)
+from trial_noise import SWITCH_IDLE_S  # noqa: E402
+
 # Qwen3-MoE-like (as the Megatron-LM case moe_tp2): megatron-core TransformerConfig field names (core_v0.19.0)
 MOE_SHAPE = dict(hidden_size=2048, ffn_hidden_size=6144, num_attention_heads=32, num_query_groups=4, kv_channels=128)
 MOE = dict(
@@ -218,8 +221,6 @@ def state_run(a: argparse.Namespace, out_file: Path) -> None:
     import megatron.bridge.training.train as bridge_train
     from megatron.bridge.training.gpt_step import forward_step
     from megatron.bridge.training.utils.train_utils import prepare_forward_step_func
-
-    sys.path.insert(0, str(HERE / "studies"))
     from trial_noise import simulated_switch
     from trials_leave_state import iteration_row, run_trials
 
@@ -292,7 +293,6 @@ def state_verdict(result: dict, iters: int) -> list[str]:
 
 def state_identity(a: argparse.Namespace, argv: list[str]) -> int:
     """``--state-identity``: the runs, one torchrun each, then their comparison (``out/bridge_state.json``)."""
-    sys.path.insert(0, str(HERE / "studies"))
     from trials_leave_state import RUNS, compare, read_runs, run_file
 
     from megatron_tp_overlap.integrations.megatron.launcher import DETERMINISTIC_ENV
@@ -343,7 +343,9 @@ def parser() -> argparse.ArgumentParser:
         help="one GPU, TP=1: runs with and without tuning's trial steps, first --iters losses compared bitwise",
     )
     p.add_argument("--trials", type=int, default=30, help="--state-identity: trial steps before the first iteration")
-    p.add_argument("--idle-s", type=float, default=0.2, help="--state-identity: host seconds per simulated switch")
+    p.add_argument(
+        "--idle-s", type=float, default=SWITCH_IDLE_S, help="--state-identity: host seconds per simulated switch"
+    )
     p.add_argument("--no-control", action="store_true", help="--state-identity: skip the second run without trials")
     p.add_argument("--state-run", default=None, help=argparse.SUPPRESS)  # one run of --state-identity (its file)
     p.add_argument("--out", default=os.environ.get("OUT", "."))

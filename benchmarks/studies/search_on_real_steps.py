@@ -42,6 +42,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]  # the studies, then the benchmarks they build on
+from trial_noise import SWITCH_IDLE_S  # noqa: E402
 
 
 def overlap_modules(model) -> list:
@@ -434,7 +435,7 @@ def main() -> None:
     p.add_argument("--script", help="Megatron-LM's pretrain_gpt.py (core_v0.19.0)")
     p.add_argument("--runs", type=int, default=40, help="searches at most (seeds alternate: gain, equal)")
     p.add_argument("--minutes", type=float, default=7.0, help="no search starts after this many minutes")
-    p.add_argument("--idle-s", type=float, default=0.2, help="host seconds per simulated switch (a re-init: ~0.2)")
+    p.add_argument("--idle-s", type=float, default=SWITCH_IDLE_S, help="host seconds per simulated switch")
     p.add_argument("--first-seed", type=int, default=1000)
     p.add_argument(
         "--gain-pct",

@@ -101,6 +101,9 @@ def profile(steps, trials: int, idle_s: float) -> dict:
     return {"records": records, "idle_s": idle_s}
 
 
+SWITCH_IDLE_S = 0.2  # a re-init's host seconds at TP=2 after the heap freeze (~0.2): the one-GPU benchmarks' default
+
+
 def simulated_switch(idle_s: float) -> None:
     """What a userbuffers switch does besides the re-init (one ``gc.collect()``, a device sync), and the re-init's
     ``idle_s`` seconds of host work with the GPU idle: the switch of the one-GPU benchmarks (TP=1, no userbuffers)."""

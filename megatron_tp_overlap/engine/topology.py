@@ -198,10 +198,15 @@ class Topology:
         return gemm in self.active and gemm not in EXTERNAL_GEMMS
 
 
+def model_roots(model: torch.nn.Module | Iterable[torch.nn.Module]) -> list[torch.nn.Module]:
+    """One module or several (e.g. Megatron's model chunks), as a list."""
+    return [model] if isinstance(model, torch.nn.Module) else list(model)
+
+
 def find_overlap_modules(model: torch.nn.Module | Iterable[torch.nn.Module]) -> list[OverlapModule]:
     """Every TE module in ``model`` (one module or several, e.g. Megatron's model chunks) that uses userbuffers, with
     the flags it was built with (those read at its first discovery, whatever a tuning has set since)."""
-    roots = [model] if isinstance(model, torch.nn.Module) else list(model)
+    roots = model_roots(model)
     found: list[OverlapModule] = []
     for i, root in enumerate(roots):
         for path, m in root.named_modules():

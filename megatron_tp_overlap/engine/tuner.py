@@ -40,6 +40,7 @@ from megatron_tp_overlap.engine.topology import (
     agree_on_the_search,
     build_topology,
     find_overlap_modules,
+    model_roots,
 )
 from megatron_tp_overlap.engine.trial import FailureTally
 from megatron_tp_overlap.ub.config import UbConfig
@@ -135,7 +136,7 @@ class Autotuner(NumericsGuard):
             self.modules,
             barrier=self._barrier,
             recoverable=lambda r: self.lockstep.recoverable(r),
-            models=list(self.model) if isinstance(self.model, Sequence) else [self.model],
+            models=model_roots(self.model),
         )
         self.lockstep = Lockstep(enabled=False)  # the tuning's own, for the duration of tune()
         self._t0 = 0.0
