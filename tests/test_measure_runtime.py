@@ -1,3 +1,4 @@
+import gc
 import math
 import types
 
@@ -389,6 +390,43 @@ def test_a_switch_frees_a_graph_that_the_model_keeps_between_steps(fake_te):
 
     # without the model, the check still names the holder: the autograd context of the graph kept alive
     sw2 = ub_runtime.UbSwitcher(fakes.fake_init_args(), find_overlap_modules(model))
-    model.token_dispatcher.probs = _KeepsCommunicator.apply(x, fake_te._ub_communicators["qkv_fprop"]) + 0
-    with pytest.raises(StaleCommunicatorError, match="dict of _KeepsCommunicatorBackward"):
+    # (kept in a tuple, which neither the model walk nor the heap walk can replace in)
+    model.token_dispatcher.probs = (_KeepsCommunicator.apply(x, fake_te._ub_communicators["qkv_fprop"]) + 0,)
+    with pytest.raises(StaleCommunicatorError, match="dict of _KeepsCommunicatorBackward.*kept in: tuple"):
         sw2.apply(TuningConfig(UbConfig().with_entry("fc2_fprop", GemmOverlapConfig(method="pipeline", num_sm=8))))
+
+
+_KEPT_ELSEWHERE: dict = {}  # a module-level cache, as a library might keep: out of the model walk's reach
+
+
+def test_a_graph_kept_out_of_the_models_reach_is_found_on_the_heap_once(fake_te, monkeypatch):
+    """The model walk looks at module attributes (and two levels of plain objects). A graph-holding tensor kept
+    anywhere else (a module-level dict, a list) refused every switch at TP=2 on a real MoE run although the walk had
+    run. The switch then walks the heap once, detaches it where it is kept, and later switches look there first."""
+    model = fakes.fake_model(layers=1)
+    sw = ub_runtime.UbSwitcher(fakes.fake_init_args(), find_overlap_modules(model), models=[model])
+    sw.apply(TuningConfig(UbConfig()))
+    x = torch.randn(4, requires_grad=True)
+    holder = types.SimpleNamespace(a=types.SimpleNamespace(b=types.SimpleNamespace(history=[])))
+    model.deep = holder  # three plain objects down: past the model walk's two levels
+
+    def step() -> None:
+        y = _KeepsCommunicator.apply(x, fake_te._ub_communicators["qkv_fprop"])
+        _KEPT_ELSEWHERE["probs"] = y.softmax(-1)
+        holder.a.b.history[:] = [y + 1]
+        y.sum().backward()
+
+    step()
+    kept = _KEPT_ELSEWHERE["probs"].detach().clone()
+    walks = []
+    monkeypatch.setattr(gc, "get_objects", lambda real=gc.get_objects: walks.append(1) or real())
+    sw.apply(TuningConfig(UbConfig().with_entry("fc2_fprop", GemmOverlapConfig(method="ring_exchange"))))
+    assert fake_te.destroys == 1 and len(walks) == 1
+    assert torch.equal(_KEPT_ELSEWHERE["probs"], kept) and _KEPT_ELSEWHERE["probs"].grad_fn is None
+    assert holder.a.b.history[0].grad_fn is None
+    assert sw.detached == {"dict['probs']", "list[0]"}
+
+    step()  # the same places again: found there, no second heap walk
+    sw.apply(TuningConfig(UbConfig().with_entry("fc2_fprop", GemmOverlapConfig(method="pipeline", num_sm=8))))
+    assert fake_te.destroys == 2 and len(walks) == 1
+    _KEPT_ELSEWHERE.clear()
