@@ -25,13 +25,7 @@ from typing import Any
 
 import torch
 
-from megatron_tp_overlap.engine.held_graphs import (
-    detach_at,
-    detach_held_graphs,
-    detach_tracked_graphs,
-    holder_name,
-    place_name,
-)
+from megatron_tp_overlap.engine.held_graphs import detach_held_graphs, holder_name, release_from_contexts
 from megatron_tp_overlap.engine.space import TuningConfig
 from megatron_tp_overlap.engine.topology import OverlapModule
 from megatron_tp_overlap.errors import StaleCommunicatorError
@@ -237,7 +231,6 @@ class UbSwitcher:
     # switch (engine/held_graphs.py: Megatron's MoE dispatcher keeps the last routing probs)
     models: Sequence[Any] = ()
     detached: set[str] = field(default_factory=set)  # "Class.attribute" of every tensor detached so far
-    _held_places: list = field(default_factory=list)  # where the heap walk found such tensors (held_graphs.Place)
 
     @contextlib.contextmanager
     def _own_bootstrap_groups(self) -> Iterator[None]:
@@ -313,10 +306,7 @@ class UbSwitcher:
     def _release(self, lap: Callable[[str], None] = lambda phase: None) -> None:
         """Drop every reference to the current communicators, then destroy them (``lap``: the phase just done)."""
         base = _te_base()
-        live = list((base._ub_communicators or {}).values())
-        self.detached.update(detach_held_graphs(self.models, live))
-        detach_at(self._held_places, live)
-        del live
+        self.detached.update(detach_held_graphs(self.models, (base._ub_communicators or {}).values()))
         gc.collect()
         lap("collect")
         _sync()
@@ -325,12 +315,8 @@ class UbSwitcher:
         if comms:
             objs = list(comms.values())
             stale = stale_references(objs, expected=2)  # TE's dict + our list
-            left: list[str] = []
-            if stale:  # a graph kept where the model walk does not look: the heap, once; its places are kept
-                places, left = detach_tracked_graphs(objs)
-                self._held_places += places
-                self.detached.update(place_name(p) for p in places)
-                gc.collect()
+            if stale:  # a graph kept where the model walk does not reach: its spent contexts let go
+                self.detached.update(release_from_contexts(objs))
                 stale = stale_references(objs, expected=2)
             del objs
             if stale:
@@ -338,7 +324,6 @@ class UbSwitcher:
                     "cannot switch userbuffers configs: a communicator of the current config is still "
                     "referenced (drop the outputs/loss of the last step so its autograd graph is freed). "
                     + "; ".join(stale[:3])
-                    + (f"; a tensor whose graph holds it is kept in: {', '.join(sorted(set(left)))}" if left else "")
                 )
         lap("collect")  # the reference check walks the heap's referrers, as a collection does
         self.barrier()
