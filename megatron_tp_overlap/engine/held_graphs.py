@@ -102,26 +102,24 @@ def release_from_contexts(communicators: Iterable[Any]) -> list[str]:
     None). Such a context lives on only because something keeps its graph, and nothing reads it again; contexts
     of a graph whose backward has not run are left alone (the switch is then refused). This is the switch's last
     resort, after :func:`detach_held_graphs`: at TP=2 in a Megatron-LM MoE run every qkv's LayerNormLinear
-    context stayed alive with a graph that no module attribute, nor any tensor on the heap, reached.
+    context stayed alive with a graph that no module attribute, nor any tensor on the heap, reached. Two walks of
+    the heap's referrers, whatever the number of communicators and contexts.
 
     Returns:
         ``"Context.attribute"`` of each reference dropped.
     """
+    comms = list(communicators)
+    ids = {id(c) for c in comms}
+    dicts = [r for r in gc.get_referrers(*comms) if isinstance(r, dict)] if comms else []
+    dict_ids = {id(d) for d in dicts}
     dropped = []
-    for comm in communicators:
-        for ref in gc.get_referrers(comm):
-            if not isinstance(ref, dict):
-                continue
-            for owner in gc.get_referrers(ref):
-                if (
-                    getattr(owner, "__dict__", None) is ref
-                    and issubclass(type(owner), torch._C._FunctionBase)
-                    and _backward_ran(owner)
-                ):
-                    for key, value in list(ref.items()):
-                        if value is comm:
-                            ref[key] = None
-                            dropped.append(f"{type(owner).__name__}.{key}")
+    for owner in gc.get_referrers(*dicts) if dicts else ():
+        attrs = getattr(owner, "__dict__", None)
+        if id(attrs) in dict_ids and issubclass(type(owner), torch._C._FunctionBase) and _backward_ran(owner):
+            for key, value in list(attrs.items()):
+                if id(value) in ids:
+                    attrs[key] = None
+                    dropped.append(f"{type(owner).__name__}.{key}")
     return dropped
 
 

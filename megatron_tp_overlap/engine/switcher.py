@@ -314,10 +314,10 @@ class UbSwitcher:
         comms = base._ub_communicators
         if comms:
             objs = list(comms.values())
-            stale = stale_references(objs, expected=2)  # TE's dict + our list
-            if stale:  # a graph kept where the model walk does not reach: its spent contexts let go
+            if any(sys.getrefcount(o) - 2 > 2 for o in objs):  # beyond TE's dict, our list, the loop's name
+                # a graph kept where the model walk does not reach: its spent contexts let go
                 self.detached.update(release_from_contexts(objs))
-                stale = stale_references(objs, expected=2)
+            stale = stale_references(objs, expected=2)  # TE's dict + our list
             del objs
             if stale:
                 raise StaleCommunicatorError(
