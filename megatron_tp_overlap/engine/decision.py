@@ -239,11 +239,17 @@ class FinalDecision:
         per = self._step_slot_sums(t)
         return statistics.median(per) if per else None
 
-    def _step_slot_sums(self, t: Trial) -> list[float]:
-        cols = list(t.slot_samples.values())
+    def _step_slot_sums(self, t: Trial, slots: frozenset[str] | None = None) -> list[float]:
+        cols = [v for s, v in t.slot_samples.items() if slots is None or s in slots]
         if not cols:
             return []
         return [sum(c[i] for c in cols) for i in range(min(len(c) for c in cols))]
+
+    def _changed_slots(self, a: TuningConfig, b: TuningConfig) -> frozenset[str] | None:
+        """The slots whose GEMMs ``a`` and ``b`` run differently (config entry or overlap off); None: all of them."""
+        gemms = {g for g in self.topo.active if a.ub.get(g) != b.ub.get(g) or (g in a.disabled) != (g in b.disabled)}
+        slots = frozenset(s for g in gemms for c in self.topo.coupled(g) | {g} for s in self.topo.slots_of(c))
+        return slots or None
 
     def abba(self, ref: Contender, cand: Contender) -> dict:
         """ABBA quadruples of ``block_steps``-step blocks; from ``min_quads`` on, stop as soon as the slot-time interval
@@ -257,6 +263,7 @@ class FinalDecision:
         0.06-0.55% of a step faster than an equal candidate in 7 of 7 decisions,
         benchmarks/results/2026-11-23_h200x1/search_on_real_steps/)."""
         o, bs = self.opt, self.block_steps
+        decided_on = self._changed_slots(ref.config, cand.config) if o.changed_slots else None
         order: list[int] = []
         slot_blocks: list[float] = []
         step_blocks: list[float] = []
@@ -273,7 +280,7 @@ class FinalDecision:
                     break
                 c.samples.extend(t.step_samples)
                 seconds += t.seconds
-                slot_blocks.append(statistics.median(self._step_slot_sums(t) or t.step_samples))
+                slot_blocks.append(statistics.median(self._step_slot_sums(t, decided_on) or t.step_samples))
                 step_blocks.append(statistics.median(t.step_samples))
                 order.append(which)
             else:
@@ -299,6 +306,7 @@ class FinalDecision:
             "level": slot_iv.level,  # of the look that ended it
             "error": error,
             "slot_interval": slot_iv,
+            "decided_on": sorted(decided_on) if decided_on else "every slot",
             "step_interval": step_iv,
             "reference_step_ms": ref_ms,
             "noise_pct_of_step": round(100 * slot_iv.half_width / ref_ms, 3)

@@ -102,6 +102,9 @@ class SearchOptions:
     select_passes: int = 3
     runoff: int = 3
     level: float = 0.95  # confidence of the final decision's interval
+    # 1: the final decision sums only the slots whose GEMMs the two configs run differently (the rest only add
+    # noise: on host-bound MoE steps the GPU waits inside every layer); the whole-step interval still guards
+    changed_slots: int = 0
     # per-GEMM gains must exceed z standard errors: 2.5, since up to 12 GEMMs' leaders are re-checked, an inconclusive
     # one twice (at 2.0, 31 of 100 equal simulated worlds accepted a choice, at 2.5, 13; issue 46)
     z: float = 2.5
