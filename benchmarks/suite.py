@@ -5,7 +5,9 @@
 
 Per case: ``<case>.log`` (stdout and stderr), the case's own outputs in ``<case>/``; for the folder: ``README.md``
 (device, date, commit, the exact command of every case, its exit code, wall time and the log lines its
-``report`` patterns select) and ``summary.json``. Cases run one after another, each under its own timeout.
+``report`` patterns select) and ``summary.json``. Cases run one after another, each under its own timeout; with
+``--per-gpu`` the one-GPU cases run side by side first, one per GPU (a lease of N GPUs runs N one-GPU studies in the
+time of one; the host's CPU cores are shared: a 2-GPU lease had 4), then the others one after another.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ import shlex
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from queue import Queue
 
 import yaml
 
@@ -59,14 +63,16 @@ def git(*args: str) -> str:
     return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
 
 
-def run_case(name: str, case: dict, out: Path, megatron_lm: str | None, gpus: int) -> dict:
+def run_case(name: str, case: dict, out: Path, megatron_lm: str | None, gpus: int, env: dict | None = None) -> dict:
     folder = out / name
     folder.mkdir(parents=True, exist_ok=True)
     cmd = command_of(case, folder, megatron_lm, gpus)
     print(f"[suite] {name}: {cmd}", flush=True)
     t0 = time.time()
     try:
-        p = subprocess.run(cmd, shell=True, cwd=ROOT, capture_output=True, text=True, timeout=case["timeout_s"])
+        p = subprocess.run(
+            cmd, shell=True, cwd=ROOT, capture_output=True, text=True, timeout=case["timeout_s"], env=env
+        )
         rc, log = p.returncode, p.stdout + p.stderr
     except subprocess.TimeoutExpired as e:
         rc, log = 124, (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace")
@@ -85,6 +91,29 @@ def run_case(name: str, case: dict, out: Path, megatron_lm: str | None, gpus: in
     }
 
 
+def one_gpu_env(gpu: int) -> dict[str, str]:
+    """The environment of a one-GPU case pinned to ``gpu``: that device alone, and its own torchrun master port
+    (side by side, two single-node torchruns both took 29500 on 2 x H100)."""
+    return {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu), "PET_MASTER_PORT": str(29600 + 10 * gpu)}
+
+
+def run_side_by_side(names: list[str], cases: dict, out: Path, megatron_lm: str | None, gpus: int) -> list[dict]:
+    """``names`` (one-GPU cases) at once, each on a GPU of its own, as many at a time as there are GPUs."""
+    free: Queue[int] = Queue()
+    for g in range(gpus):
+        free.put(g)
+
+    def one(name: str) -> dict:
+        g = free.get()
+        try:
+            return {**run_case(name, cases[name], out, megatron_lm, 1, one_gpu_env(g)), "gpu": g}
+        finally:
+            free.put(g)
+
+    with ThreadPoolExecutor(max_workers=gpus) as pool:
+        return list(pool.map(one, names))
+
+
 def readme(results: list[dict], dev: str, argv: list[str]) -> str:
     head = [
         f"# GPU results: {dev}, {datetime.date.today().isoformat()}",
@@ -98,6 +127,8 @@ def readme(results: list[dict], dev: str, argv: list[str]) -> str:
         "|---|---|---|",
     ]
     head += [f"| {r['case']} | {r['rc']} | {r['wall_s']} |" for r in results]
+    side = [f"{r['case']} (GPU {r['gpu']})" for r in results if "gpu" in r]
+    head += ["", f"Side by side, one per GPU: {', '.join(side)}"] if side else []
     body = []
     for r in results:
         body += ["", f"## {r['case']}", "", r["about"], "", f"`{r['command']}`", "", "```", *r["lines"][-40:], "```"]
@@ -111,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cases", required=True, help=f"comma list of: {', '.join(cases)}")
     p.add_argument("--megatron-lm", default=os.environ.get("MEGATRON_LM"), help="a Megatron-LM checkout (core_v0.19.0)")
     p.add_argument("--out", required=True, help="results folder, e.g. benchmarks/results/<date>_<device>")
+    p.add_argument("--per-gpu", action="store_true", help="one-GPU cases side by side, one per GPU, first")
     a = p.parse_args(argv[1:])
     names = [n for n in a.cases.split(",") if n]
     unknown = [n for n in names if n not in cases]
@@ -120,7 +152,11 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     results = []
-    for n in names:
+    side = [n for n in names if cases[n]["gpus"] == 1] if a.per_gpu and gpus > 1 else []
+    if side:
+        results += run_side_by_side(side, cases, out, a.megatron_lm, gpus)
+        (out / "README.md").write_text(readme(results, dev, argv))
+    for n in (n for n in names if n not in side):
         if cases[n]["gpus"] > gpus:
             results.append(
                 {

@@ -3,6 +3,7 @@ match the GPUs it names, every layer shape it names exists and splits over its T
 over the TP size, and its main-job overrides pass the app's own validation. A case that would die on the lent
 machine at start-up costs a multi-GPU session; these checks cost nothing."""
 
+import json
 import re
 import shlex
 from pathlib import Path
@@ -74,3 +75,39 @@ def test_every_multi_gpu_issue_has_its_cases():
         assert any("megatron_autotune.py" in c and "--fp8" not in c for c in cmds)
         assert any("megatron_autotune.py" in c and "--fp8" in c for c in cmds)
         assert any("megatron_tp_overlap.train" in c for c in cmds)
+
+
+def test_per_gpu_runs_one_gpu_cases_side_by_side_each_on_its_own_gpu_and_port(tmp_path, monkeypatch):
+    """``suite.py --per-gpu`` on a 2-GPU node: the two one-GPU cases run at once (each waits for the other to have
+    started, so neither passes alone), pinned to GPUs 0 and 1 with their own torchrun master ports; the 2-GPU case
+    runs after them, unpinned. (Side by side on 2 x H100, two torchruns without their own port clashed on 29500.)"""
+    wait_for = "for i in $(seq 100); do [ -f {out}/../{other} ] && break; sleep 0.1; done; [ -f {out}/../{other} ]"
+    cases = {
+        n: {
+            "about": n,
+            "gpus": 1,
+            "timeout_s": 60,
+            "command": f"touch {{out}}/../{n}.started; echo $CUDA_VISIBLE_DEVICES $PET_MASTER_PORT; "
+            + wait_for.replace("{other}", f"{other}.started"),
+            "report": [r"^\d"],
+        }
+        for n, other in (("a", "b"), ("b", "a"))
+    }
+    cases["both"] = {
+        "about": "both",
+        "gpus": 2,
+        "timeout_s": 60,
+        "command": "echo x${{CUDA_VISIBLE_DEVICES}}x",
+        "report": ["x"],
+    }
+    monkeypatch.setattr(suite, "load_cases", lambda: cases)
+    monkeypatch.setattr(suite, "device", lambda: ("2 x Fake GPU", 2))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    rc = suite.main(["suite.py", "--cases", "both,a,b", "--per-gpu", "--out", str(tmp_path)])
+    assert rc == 0
+    results = json.loads((tmp_path / "summary.json").read_text())
+    assert [r["case"] for r in results] == ["a", "b", "both"]
+    pinned = {r["lines"][0] for r in results[:2]}
+    assert pinned == {f"{g} {29600 + 10 * g}" for g in (0, 1)}, pinned
+    assert results[2]["lines"] == ["xx"] and "gpu" not in results[2]
+    assert "Side by side, one per GPU: a (GPU" in (tmp_path / "README.md").read_text()
