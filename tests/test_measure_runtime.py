@@ -1,3 +1,4 @@
+import gc
 import math
 import types
 
@@ -416,3 +417,25 @@ def test_a_spent_graph_kept_out_of_the_models_reach_lets_go_of_its_communicators
     assert sw.detached == {"_KeepsCommunicatorBackward.ub_obj"}
     kept = _KEPT_ELSEWHERE.pop("probs")[0]
     assert kept.grad_fn is not None  # its graph is the holder's: only the spent context's reference went
+
+
+def test_a_spent_context_alive_when_the_heap_was_frozen_lets_go_too(fake_te):
+    """The in-run verification freezes the heap at its first iteration (engine/heap.py), and the referrer walks skip
+    frozen objects: a context kept alive from the iteration before would hold its communicator through every switch.
+    The switch looks among the frozen objects too, when the rest left a reference."""
+    model = fakes.fake_model(layers=1)
+    sw = ub_runtime.UbSwitcher(fakes.fake_init_args(), find_overlap_modules(model), models=[model])
+    sw.apply(TuningConfig(UbConfig()))
+    x = torch.randn(4, requires_grad=True)
+    y = _KeepsCommunicator.apply(x, fake_te._ub_communicators["qkv_fprop"])
+    _KEPT_ELSEWHERE["probs"] = (y.softmax(-1),)
+    y.sum().backward()
+    del y
+    gc.freeze()
+    try:
+        sw.apply(TuningConfig(UbConfig().with_entry("fc2_fprop", GemmOverlapConfig(method="ring_exchange"))))
+        assert gc.get_freeze_count() > 0  # frozen again
+    finally:
+        gc.unfreeze()
+        _KEPT_ELSEWHERE.clear()
+    assert fake_te.destroys == 1 and sw.detached == {"_KeepsCommunicatorBackward.ub_obj"}

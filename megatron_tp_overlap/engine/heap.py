@@ -2,7 +2,9 @@
 autograd graph holding a communicator must die first), and a collection over a whole Megatron-LM process's heap costs
 ~0.34 s (H200, per switch in real training: benchmarks/results/2026-11-23_h200x1/verify_noise/) and 0.47 s (H100,
 725,703 tracked objects: benchmarks/results/2026-11-24_h100x1/switch_cost/). The objects that exist before are frozen
-out of those collections; none of them can hold a communicator of a config tried after."""
+out of those collections; none of them can hold a communicator of a config tried after. One may hold the live
+config's (an autograd context of a graph that the model keeps, Megatron-LM MoE at TP=2): the switch looks for it
+among the frozen objects too (engine/held_graphs.release_from_contexts)."""
 
 from __future__ import annotations
 

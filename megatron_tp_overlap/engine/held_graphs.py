@@ -97,17 +97,26 @@ def _backward_ran(ctx: Any) -> bool:
     return False
 
 
-def release_from_contexts(communicators: Iterable[Any]) -> list[str]:
+def release_from_contexts(communicators: Iterable[Any], frozen: bool = False) -> list[str]:
     """Drop the references to ``communicators`` that autograd contexts hold after their backward has run (set to
     None). Such a context lives on only because something keeps its graph, and nothing reads it again; contexts
     of a graph whose backward has not run are left alone (the switch is then refused). This is the switch's last
     resort, after :func:`detach_held_graphs`: at TP=2 in a Megatron-LM MoE run every qkv's LayerNormLinear
     context stayed alive with a graph that no module attribute, nor any tensor on the heap, reached. Two walks of
-    the heap's referrers, whatever the number of communicators and contexts.
+    the heap's referrers, whatever the number of communicators and contexts. ``frozen``: also the objects that
+    ``gc.freeze`` set aside (the referrer walks skip them): a context alive when the heap was frozen (the in-run
+    verification freezes it at its first iteration) is found only so; they are frozen again afterwards, with the
+    objects made since (garbage among them waits for the unfreeze at the block's end, engine/heap.py).
 
     Returns:
         ``"Context.attribute"`` of each reference dropped.
     """
+    if frozen and gc.get_freeze_count():
+        gc.unfreeze()
+        try:
+            return release_from_contexts(communicators)
+        finally:
+            gc.freeze()
     comms = list(communicators)
     ids = {id(c) for c in comms}
     dicts = [r for r in gc.get_referrers(*comms) if isinstance(r, dict)] if comms else []

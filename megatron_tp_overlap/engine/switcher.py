@@ -314,9 +314,10 @@ class UbSwitcher:
         comms = base._ub_communicators
         if comms:
             objs = list(comms.values())
-            if any(sys.getrefcount(o) - 2 > 2 for o in objs):  # beyond TE's dict, our list, the loop's name
-                # a graph kept where the model walk does not reach: its spent contexts let go
-                self.detached.update(release_from_contexts(objs))
+            for frozen in (False, True):  # the frozen heap only where the rest did not do
+                if any(sys.getrefcount(o) - 2 > 2 for o in objs):  # beyond TE's dict, our list, the loop's name
+                    # a graph kept where the model walk does not reach: its spent contexts let go
+                    self.detached.update(release_from_contexts(objs, frozen))
             stale = stale_references(objs, expected=2)  # TE's dict + our list
             del objs
             if stale:
