@@ -48,6 +48,8 @@ python3 -c "import megatron.core, transformer_engine.pytorch" 2>/dev/null \
   || { echo "bridge install: TE/megatron-core missing: run 'bash .device/setup.sh' first" >&2; exit 3; }
 out=$(python3 -m pip install -q --no-index --no-deps --no-cache-dir "$W"/*.whl 2>&1) || { echo "$out" >&2; exit 1; }
 echo "$out" | grep -vi warning || true
+# no dependency resolution here: name any requirement the image's own packages miss (datasets 5.2 asks pyarrow >= 24)
+python3 -m pip check 2>&1 | grep -iE "datasets|bridge|energon|modelopt|resiliency|storage" || true
 python3 -c "import megatron.bridge; from megatron.bridge.training.pretrain import pretrain; \
 print('megatron-bridge', megatron.bridge.__version__, 'ready')"
 touch "$STAMP"
