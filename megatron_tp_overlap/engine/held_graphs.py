@@ -111,7 +111,9 @@ def release_from_contexts(communicators: Iterable[Any], frozen: bool = False) ->
     Returns:
         ``"Context.attribute"`` of each reference dropped.
     """
-    if frozen and gc.get_freeze_count():
+    if frozen:
+        if not gc.get_freeze_count():
+            return []  # nothing set aside: the plain walk has seen every object
         gc.unfreeze()
         try:
             return release_from_contexts(communicators)
