@@ -188,7 +188,12 @@ def main() -> None:
         action="store_true",
         help="deterministic kernels as Megatron's --deterministic-mode sets them up (MEGATRON_TP_OVERLAP_DETERMINISTIC=1), for bitwise loss comparisons",
     )
-    p.add_argument("--master-port", type=int, default=29500, help="torchrun's; differ for jobs sharing a host")
+    p.add_argument(
+        "--master-port",
+        type=int,
+        default=int(os.environ.get("PET_MASTER_PORT", 29500)),  # suite.py --per-gpu gives each case its own
+        help="torchrun's; differ for jobs sharing a host (default %(default)s: $PET_MASTER_PORT, else 29500)",
+    )
     p.add_argument("--fp8", action="store_true", help="FP8 GEMMs (--fp8-format hybrid)")
     p.add_argument(
         "--extra",

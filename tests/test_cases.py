@@ -111,3 +111,15 @@ def test_per_gpu_runs_one_gpu_cases_side_by_side_each_on_its_own_gpu_and_port(tm
     assert pinned == {f"{g} {29600 + 10 * g}" for g in (0, 1)}, pinned
     assert results[2]["lines"] == ["xx"] and "gpu" not in results[2]
     assert "Side by side, one per GPU: a (GPU" in (tmp_path / "README.md").read_text()
+
+
+def test_side_by_side_cases_take_their_master_port_from_the_suite(monkeypatch, capsys):
+    """``--per-gpu`` gives each one-GPU case its own torchrun master port through ``PET_MASTER_PORT``: no one-GPU
+    case may fix one, and megatron_autotune.py (which passes torchrun a port of its own) takes it as its default."""
+    fixed = [n for n, c in CASES.items() if c["gpus"] == 1 and "--master-port" in c["command"]]
+    assert not fixed, fixed
+    monkeypatch.setenv("PET_MASTER_PORT", "29610")
+    monkeypatch.setattr("sys.argv", ["megatron_autotune.py", "--help"])
+    with pytest.raises(SystemExit):
+        mega.main()
+    assert "default 29610" in " ".join(capsys.readouterr().out.split())
