@@ -261,14 +261,13 @@ def main() -> None:
         + (f"; configs of the sweep that compute wrong numbers: {wrong}" if wrong else "")
     )
 
-    # The stale-communicator trap: an output whose graph went through backward keeps ub objects in its
-    # autograd ctx. The switcher must refuse to switch (not corrupt the next config), then work once
-    # the output is dropped.
+    # The stale-communicator trap: an output whose graph has not run its backward keeps ub objects in its autograd
+    # ctx, which that backward will read. The switcher must refuse to switch (not corrupt the next config), then
+    # work once the output is dropped.
     from megatron_tp_overlap.errors import StaleCommunicatorError
 
     sw.apply(reference)
     kept = model(x)
-    kept.backward(dy)
     try:
         sw.apply(preset)
         stale = {"refused": False}
@@ -280,11 +279,11 @@ def main() -> None:
     checks.append({"config": "after refused stale switch: " + preset.label, **numerics(preset, ref)})
     stale["numerics_after"] = checks[-1]
     log(
-        f"stale-communicator guard: switch with a live graph {'refused' if stale['refused'] else 'NOT refused'}; "
+        f"stale-communicator guard: switch with a pending graph {'refused' if stale['refused'] else 'NOT refused'}; "
         f"after dropping it: out {checks[-1]['out']:.2e}, dgrad {checks[-1]['dgrad_input']:.2e}"
     )
-    # A graph the model itself keeps between steps, as Megatron's MoE dispatcher keeps the last routing probs (every
-    # MoE switch was refused at TP=2 for it): the switch detaches it (engine/held_graphs.py) and goes on
+    # A graph kept after its backward, as in a Megatron-LM MoE run at TP=2 (every switch was refused for it): its
+    # spent contexts let go of their communicators (engine/held_graphs.py) and the switch goes on
     sw.apply(reference)
     out = model(x)
     out.backward(dy)
@@ -292,7 +291,7 @@ def main() -> None:
     del out
     try:
         sw.apply(preset)
-        stale["model_held"] = {"switched": True, "detached": sorted(sw.detached)}
+        stale["model_held"] = {"switched": True, "released": sorted(sw.released)}
     except StaleCommunicatorError as e:
         stale["model_held"] = {"switched": False, "message": str(e)[:300]}
     del model.kept_by_model

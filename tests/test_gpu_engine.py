@@ -72,11 +72,11 @@ def test_engine_tunes_switches_and_matches_no_overlap(tmp_path):
         ), (n, k[n], on)
     assert d["numerics"]["passed"], d["numerics"]["worst"]
     assert d["extra_switches"] >= 20 and d["tuning_switches"] >= 1
-    assert d["stale_guard"]["refused"], "a switch with a live autograd graph must be refused"
+    assert d["stale_guard"]["refused"], "a switch with a graph whose backward has not run must be refused"
     assert d["stale_guard"]["numerics_after"]["dgrad_input"] <= d["numerics"]["rtol"]
-    # a graph the model keeps (Megatron's MoE dispatcher keeps its routing probs) is detached, and the switch goes on
+    # a graph kept after its backward (a Megatron-LM MoE run at TP=2): its TE contexts let go, the switch goes on
     held = d["stale_guard"]["model_held"]
-    assert held["switched"] and "Namespace.probs" in held["detached"], held
+    assert held["switched"] and held["released"], held
     from megatron_tp_overlap.ub.rules import ValidationContext, load_and_validate
 
     load_and_validate(tmp_path / f"engine_tp{tp}_tuned.yaml", ValidationContext(tp_size=tp))

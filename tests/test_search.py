@@ -381,6 +381,8 @@ def test_options_are_validated():
         SearchOptions(strategy="random")
     with pytest.raises(ValueError, match="max_steps"):
         SearchOptions(max_steps=-1)
+    with pytest.raises(ValueError, match="changed_slots = 2: must be 0 or 1"):
+        SearchOptions(changed_slots=2)
     assert SearchOptions(max_steps=0).steps_left(10**9) == float("inf")  # 0: no step limit
 
 

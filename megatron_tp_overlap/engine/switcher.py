@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from megatron_tp_overlap.engine.held_graphs import detach_held_graphs, holder_name, release_from_contexts
+from megatron_tp_overlap.engine.held_graphs import holder_name, release_from_contexts
 from megatron_tp_overlap.engine.space import TuningConfig
 from megatron_tp_overlap.engine.topology import OverlapModule
 from megatron_tp_overlap.errors import StaleCommunicatorError
@@ -227,10 +227,9 @@ class UbSwitcher:
     barrier_after_destroy: bool = True
     compiled_kept: int = 0  # switches that kept torch.compile's code (keeping_compiled_fusions)
     _bootstrap: dict[str, Any] = field(default_factory=dict)  # key of TE's new_group call -> the group
-    # the model (or its chunks): tensors with a graph that its modules keep between steps are detached at each
-    # switch (engine/held_graphs.py: Megatron's MoE dispatcher keeps the last routing probs)
-    models: Sequence[Any] = ()
-    detached: set[str] = field(default_factory=set)  # "Class.attribute" of every tensor detached so far
+    # "Context.attribute" of every communicator reference let go by a context that outlived its step
+    # (engine/held_graphs.py: a Megatron-LM MoE run at TP=2 kept every qkv's context)
+    released: set[str] = field(default_factory=set)
 
     @contextlib.contextmanager
     def _own_bootstrap_groups(self) -> Iterator[None]:
@@ -306,7 +305,6 @@ class UbSwitcher:
     def _release(self, lap: Callable[[str], None] = lambda phase: None) -> None:
         """Drop every reference to the current communicators, then destroy them (``lap``: the phase just done)."""
         base = _te_base()
-        self.detached.update(detach_held_graphs(self.models, (base._ub_communicators or {}).values()))
         gc.collect()
         lap("collect")
         _sync()
@@ -316,8 +314,8 @@ class UbSwitcher:
             objs = list(comms.values())
             for frozen in (False, True):  # the frozen heap only where the rest did not do
                 if any(sys.getrefcount(o) - 2 > 2 for o in objs):  # beyond TE's dict, our list, the loop's name
-                    # a graph kept where the model walk does not reach: its spent contexts let go
-                    self.detached.update(release_from_contexts(objs, frozen))
+                    # a graph that outlived its step: its spent contexts let go
+                    self.released.update(release_from_contexts(objs, frozen))
             stale = stale_references(objs, expected=2)  # TE's dict + our list
             del objs
             if stale:

@@ -137,6 +137,8 @@ class SearchOptions:
             )
         if not 0.5 <= self.level < 1:
             raise ValueError(f"level = {self.level}: must be in [0.5, 1)")
+        if self.changed_slots not in (0, 1):
+            raise ValueError(f"changed_slots = {self.changed_slots}: must be 0 or 1")
 
     def steps_left(self, steps_run: int) -> float:
         """Trial steps the step limit still allows (infinite without one)."""

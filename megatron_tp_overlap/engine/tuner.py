@@ -40,7 +40,6 @@ from megatron_tp_overlap.engine.topology import (
     agree_on_the_search,
     build_topology,
     find_overlap_modules,
-    model_roots,
 )
 from megatron_tp_overlap.engine.trial import FailureTally
 from megatron_tp_overlap.ub.config import UbConfig
@@ -136,7 +135,6 @@ class Autotuner(NumericsGuard):
             self.modules,
             barrier=self._barrier,
             recoverable=lambda r: self.lockstep.recoverable(r),
-            models=model_roots(self.model),
         )
         self.lockstep = Lockstep(enabled=False)  # the tuning's own, for the duration of tune()
         self._t0 = 0.0
@@ -370,8 +368,8 @@ class Autotuner(NumericsGuard):
             if self.switcher.reinit_seconds
             else None,
             "reinit_phases_s_median": reinit_phase_medians(self.switcher.reinit_phases),
-            # tensors with a graph that the model kept between steps, detached at the switches (engine/held_graphs.py)
-            "detached_between_steps": sorted(self.switcher.detached),
+            # communicator references let go by contexts that outlived their step (engine/held_graphs.py)
+            "released_between_steps": sorted(self.switcher.released),
             "wall_s": round(wall, 3),
             # what the ranks' agreements cost this rank (engine.lockstep): at scale this is the part that grows
             "agreements": {
