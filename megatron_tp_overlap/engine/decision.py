@@ -289,9 +289,8 @@ class FinalDecision:
                 # sequential: a look before the last one is at paired.INTERIM_LEVEL (at 95% after each quadruple, an
                 # equal config wins 8-9% of decisions); the last look, at max_quads or the budget, at ``level``
                 last = quads >= o.max_quads or not self._fits(bs, rest_of_quad)
-                look = o.level if last else max(o.level, paired.INTERIM_LEVEL)
-                slot_iv = paired.gain_interval(paired.quad_gains(slot_blocks[: 4 * quads], order), look)
-                step_iv = paired.gain_interval(paired.quad_gains(step_blocks[: 4 * quads], order), o.level)
+                slot_iv = paired.look(paired.quad_gains(slot_blocks[: 4 * quads], order), o.level, last, o.clip_sds)
+                step_iv = paired.look(paired.quad_gains(step_blocks[: 4 * quads], order), o.level, True, o.clip_sds)
                 ref_ms = statistics.median(v for v, w in zip(step_blocks, order) if w == paired.A)
                 if slot_iv.faster or slot_iv.slower or slot_iv.high < o.rel_floor * ref_ms:
                     break

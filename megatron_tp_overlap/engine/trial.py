@@ -105,6 +105,9 @@ class SearchOptions:
     # 1: the final decision sums only the slots whose GEMMs the two configs run differently (the rest only add
     # noise: on host-bound MoE steps the GPU waits inside every layer); the whole-step interval still guards
     changed_slots: int = 0
+    # the final decision's quadruple gains are clipped at their median +- this many robust standard deviations
+    # (paired.clipped; 0: not clipped): a stretch of slow steps in a few blocks left real 1.2-2.3% gains undecided
+    clip_sds: float = 4.0
     # per-GEMM gains must exceed z standard errors: 2.5, since up to 12 GEMMs' leaders are re-checked, an inconclusive
     # one twice (at 2.0, 31 of 100 equal simulated worlds accepted a choice, at 2.5, 13; issue 46)
     z: float = 2.5
@@ -139,6 +142,8 @@ class SearchOptions:
             raise ValueError(f"level = {self.level}: must be in [0.5, 1)")
         if self.changed_slots not in (0, 1):
             raise ValueError(f"changed_slots = {self.changed_slots}: must be 0 or 1")
+        if self.clip_sds < 0:
+            raise ValueError(f"clip_sds = {self.clip_sds}: must be >= 0 (0: the quadruples' gains are not clipped)")
 
     def steps_left(self, steps_run: int) -> float:
         """Trial steps the step limit still allows (infinite without one)."""
