@@ -177,3 +177,29 @@ def test_a_tp1_megatron_gpt_is_seen_with_the_simulators_slots():
     assert len(modules) == 12 and {m.name for m in modules} == {"qkv", "proj", "fc1", "fc2"}
     topo = build_topology(modules)
     assert topo.slots() == sim.TOPO.slots() and topo.active == sim.TOPO.active and topo.layers == 3
+
+
+def test_the_common_factor_study_tells_a_stretch_that_slows_the_whole_step_from_noise_in_one_slot():
+    """``common_factor.py`` (run by ``--common-factor``) on simulated steps: where a stretch slows every part of a step
+    alike (hostbound) dividing by the step's unchanged rest removes most of each slot's trial-to-trial spread; where
+    the noise is each slot's own (iid) it removes none of it."""
+    import common_factor as cf
+
+    class Steps:  # the RealSteps interface (start, then config/steps/warm-up calls) on a simulated run
+        def __init__(self, scenario: str):
+            self.scenario = scenario
+
+        def start(self, world):
+            self.run = sim.SimulatedRun(world, self.scenario, random.Random(11))
+
+        def __call__(self, config, steps, warmup):
+            return self.run(config, steps, warmup)
+
+    explained = {}
+    for scenario in ("hostbound", "iid"):
+        s = cf.summarize(cf.record(Steps(scenario), 120, 4))
+        assert s["trials"] == 120 and set(s["slots"]) == set(sim.SLOTS)
+        explained[scenario] = [v["explained"] for v in s["slots"].values()]
+    assert min(explained["hostbound"]) > 0.75, explained
+    assert max(abs(e) for e in explained["iid"]) < 0.3, explained
+    assert cf.line(s).startswith("[common_factor] 120 trials, rest of the step ")

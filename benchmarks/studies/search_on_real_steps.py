@@ -312,6 +312,7 @@ def inner(
     trial_microbatches: int = 0,
     preset: bool = False,
     variants: tuple[str, ...] = (),
+    common_factor: int = 0,
 ) -> None:
     import megatron.training.training as training
     import torch
@@ -348,6 +349,15 @@ def inner(
         result["runs"] = []
         result["probe"] = probe_delays(real)  # the put-in delay, measured on whole steps
         delays.set({})
+        if common_factor:  # does a slow stretch slow every part of a step alike? (common_factor.py)
+            import common_factor as cf
+
+            from megatron_tp_overlap.engine.search import SearchOptions
+
+            trials = cf.record(real, common_factor, SearchOptions().halving_steps)
+            result["common_factor"] = {"trials": trials, "summary": cf.summarize(trials)}
+            print(cf.line(result["common_factor"]["summary"]), flush=True)
+            delays.set({})
         for i in range(runs):
             if time.perf_counter() - t_start > 60 * minutes:
                 break
@@ -476,6 +486,14 @@ def main() -> None:
         help="more Megatron-LM arguments, one string (an MoE model, activation recompute, CUDA graphs), e.g. "
         "--extra='--num-experts 8 --moe-router-topk 2 --moe-grouped-gemm'",
     )
+    p.add_argument(
+        "--common-factor",
+        type=int,
+        default=0,
+        metavar="TRIALS",
+        help="first, this many racing-like trials of an equal world: does a slow stretch slow every part of a step "
+        "alike? (common_factor.py)",
+    )
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     add_trial_microbatches(p)
     p.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
@@ -493,6 +511,7 @@ def main() -> None:
             a.trial_microbatches,
             a.preset,
             tuple(a.variants),
+            a.common_factor,
         )
         return
     from megatron_autotune import FP8_ARGS, one_gpu_args, parse_model_shape
@@ -504,6 +523,7 @@ def main() -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", __file__, "--inner", "--out", str(out)]
     cmd += ["--trial-microbatches", str(a.trial_microbatches)]
     cmd += ["--runs", str(a.runs), "--minutes", str(a.minutes), "--idle-s", str(a.idle_s)]
+    cmd += ["--common-factor", str(a.common_factor)]
     variants = a.variants + [f"select_passes={n}" for n in a.select_passes]
     for v in variants:
         parse_variant(v)  # a typo fails here, before any GPU work
