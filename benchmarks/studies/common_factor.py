@@ -20,11 +20,7 @@ import json
 import statistics
 from pathlib import Path
 
-
-def _robust_var(xs: list[float]) -> float:
-    """(1.4826 MAD)^2: a variance that a few wild trials do not decide."""
-    mid = statistics.median(xs)
-    return (1.4826 * statistics.median(abs(x - mid) for x in xs)) ** 2
+from megatron_tp_overlap.engine.stats import robust_sd
 
 
 def summarize(trials: list[dict]) -> dict:
@@ -43,7 +39,7 @@ def summarize(trials: list[dict]) -> dict:
         mid = statistics.median(raw)
         rel_raw = [v / mid - 1 for v in raw]
         rel_div = [(v / r) / (mid / rest_mid) - 1 for v, r in zip(raw, rest)]
-        var_raw, var_div = _robust_var(rel_raw), _robust_var(rel_div)
+        var_raw, var_div = robust_sd(rel_raw) ** 2, robust_sd(rel_div) ** 2  # a few wild trials do not decide
         out["slots"][s] = {
             "ms": round(mid, 3),
             "spread_raw_pct": round(100 * var_raw**0.5, 3),

@@ -498,6 +498,9 @@ def main() -> None:
     add_trial_microbatches(p)
     p.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     a, rest = p.parse_known_args()
+    if a.common_factor and a.common_factor < 8:
+        print(f"--common-factor {a.common_factor}: must be 0 (not run) or at least 8 trials", file=sys.stderr)
+        sys.exit(2)
     out = Path(a.out)
     if a.inner:
         inner(

@@ -21,6 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
+from megatron_tp_overlap.engine.stats import robust_sd
+
 A, B = 0, 1
 QUAD = (A, B, B, A)
 MIN_PAIRS = 6  # the fewest pairs (quadruples) whose signed-rank test can give a 95% interval
@@ -72,8 +74,7 @@ def clipped(gains: Sequence[float], sds: float) -> list[float]:
     symmetric about the median, so equal configs stay equal in distribution."""
     if sds <= 0 or len(gains) < MIN_PAIRS:
         return list(gains)
-    mid = statistics.median(gains)
-    sd = 1.4826 * statistics.median(abs(g - mid) for g in gains)
+    mid, sd = statistics.median(gains), robust_sd(gains)
     if sd <= 0:
         return list(gains)
     return [min(max(g, mid - sds * sd), mid + sds * sd) for g in gains]

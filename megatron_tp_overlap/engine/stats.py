@@ -7,6 +7,15 @@ import statistics
 from collections.abc import Sequence
 
 
+def robust_sd(xs: Sequence[float]) -> float:
+    """1.4826 x the median absolute deviation from the median: the standard deviation of normal samples, which a
+    few wild ones do not decide (0.0 without samples)."""
+    if not xs:
+        return 0.0
+    mid = statistics.median(xs)
+    return 1.4826 * statistics.median(abs(x - mid) for x in xs)
+
+
 def pooled_sigma(groups: Sequence[Sequence[float]], positional: bool = False) -> float:
     """Step-to-step spread pooled over groups of repeats of the same thing, from the differences of consecutive
     samples within each group: ``(x[i+1] - x[i]) / sqrt(2)`` has the samples' spread whatever the group size (residuals
