@@ -395,6 +395,38 @@ def test_a_spent_graph_that_outlives_its_step_lets_go_of_its_communicators(fake_
         sw.apply(TuningConfig(UbConfig().with_entry("fc2_fprop", GemmOverlapConfig(method="pipeline", num_sm=8))))
     assert fake_te.destroys == 1
     del pending
+    # nor when a tensor it saved was written in place since (reading it raises, but not autograd's "freed" error)
+    saved = x * 1
+    pending = (_KeepsCommunicator.apply(saved, fake_te._ub_communicators["qkv_fprop"]),)
+    saved.add_(1)
+    with pytest.raises(StaleCommunicatorError, match="dict of _KeepsCommunicatorBackward"):
+        sw.apply(TuningConfig(UbConfig().with_entry("fc2_fprop", GemmOverlapConfig(method="pipeline", num_sm=8))))
+    assert fake_te.destroys == 1
+    del pending
+
+
+def test_a_forward_whose_backward_has_not_run_refuses_the_switch(fake_te):
+    """On 2 H200s with TE 2.20.2 a switch went on under a pending graph: its contexts hold no communicator (the
+    backward fetches them by name), so the reference check saw nothing. The overlapped modules' forwards are
+    recorded; the switch is refused until that backward has run, or the graph is dropped."""
+    model = fakes.fake_model(layers=1)
+    sw = ub_runtime.UbSwitcher(fakes.fake_init_args(), find_overlap_modules(model))
+    sw.apply(TuningConfig(UbConfig()))
+    x = torch.randn(4, 8, requires_grad=True)
+    ring = TuningConfig(UbConfig().with_entry("fc2_fprop", GemmOverlapConfig(method="ring_exchange")))
+    with torch.no_grad():
+        model(x)  # no graph (a checkpoint's first forward, evaluation): nothing pending
+    y = model(x)
+    with pytest.raises(StaleCommunicatorError, match="backward has not run"):
+        sw.apply(ring)
+    assert fake_te.destroys == 0
+    y.sum().backward()  # its graph stays alive (y), but its backward ran
+    assert sw.apply(ring) and fake_te.destroys == 1
+    z = model(x)
+    del z  # dropped unrun
+    assert sw.apply(TuningConfig(UbConfig())) and fake_te.destroys == 2
+    sw.close()  # hooks gone: a later forward is no business of a closed switcher
+    assert not any(m.module._forward_hooks for m in sw.modules)
 
 
 def test_a_spent_context_alive_when_the_heap_was_frozen_lets_go_too(fake_te):

@@ -8,24 +8,33 @@ shared communicator (``docs/switch.md``), so the switcher refused every switch. 
 module attribute and no tensor on the heap reached it (``benchmarks/results/2026-11-25_h100x2/nineteenth/``). A
 context whose backward has run is never read again, so the switch lets go of its communicators instead, whoever
 keeps it.
+
+The other way round, a graph whose backward has not run: with TE 2.20 its contexts hold no communicator (the backward
+fetches them by name, ``get_ub``), so no reference check can see it, and its backward would run with the next
+config's communicators and flags fixed at its forward. :class:`PendingBackwards` sees it from the modules' side.
 """
 
 from __future__ import annotations
 
 import gc
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
+_FREED = "already been freed"  # autograd's message for saved tensors that a backward released
+
 
 def _backward_ran(ctx: Any) -> bool:
-    """Whether a custom Function's context has been through its backward: its saved tensors are freed then (and
-    reading them raises). A context that saved nothing cannot tell, and counts as not run."""
+    """Whether a custom Function's context has been through its backward: its saved tensors are freed then, and
+    reading them raises autograd's "already been freed" error. Any other error (a saved tensor written in place
+    since, as TE's saved views of a userbuffer can be) says nothing about the backward: counts as not run, as does a
+    context that saved nothing. On 2 H200s counting every error as run let a switch go on under a pending graph."""
     try:
         _ = ctx.saved_tensors
-    except RuntimeError:
-        return True
+    except RuntimeError as e:
+        return _FREED in str(e)
     return False
 
 
@@ -72,3 +81,48 @@ def holder_name(referrer: Any) -> str:
             if getattr(owner, "__dict__", None) is referrer:
                 return f"dict of {type(owner).__name__}"
     return type(referrer).__name__
+
+
+def _tensors(output: Any) -> Iterable[torch.Tensor]:
+    """The tensors of a module's output (a tensor, or a tuple/list of them and other things, as TE's ``return_bias``)."""
+    if isinstance(output, torch.Tensor):
+        yield output
+    elif isinstance(output, (tuple, list)):
+        for o in output:
+            yield from _tensors(o)
+
+
+class PendingBackwards:
+    """The autograd contexts of the overlapped modules' forwards whose backward has not begun, held weakly.
+
+    A forward hook on each module records the custom-Function node of its output (TE's ``_LinearBackward`` and the
+    like) and a pre-hook on that node forgets it when its backward begins; a graph that is dropped goes by itself.
+    Forwards without grad (a checkpoint's first forward, evaluation) make no graph and are not recorded. Nothing
+    reads the saved tensors: an activation-offloading unpack hook would run.
+    """
+
+    def __init__(self, modules: Iterable[torch.nn.Module]):
+        self._contexts: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._handles = [m.register_forward_hook(self._record) for m in modules]
+
+    def _record(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if not torch.is_grad_enabled():
+            return
+        for t in _tensors(output):
+            node = t.grad_fn
+            if isinstance(node, torch.autograd.function.BackwardCFunction) and node not in self._contexts:
+                self._contexts.add(node)
+                node.register_prehook(self._forget(weakref.ref(node)))
+
+    def _forget(self, ref: weakref.ref) -> Any:
+        """The node's pre-hook: its backward begins. A weak reference, or the hook would keep its own node alive."""
+        return lambda grads: self._contexts.discard(ref())
+
+    def pending(self) -> list[str]:
+        """Type names of the recorded contexts still alive whose backward has not begun."""
+        return sorted({type(c).__name__ for c in list(self._contexts)})
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles, self._contexts = [], weakref.WeakSet()

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from megatron_tp_overlap.engine.held_graphs import holder_name, release_from_contexts
+from megatron_tp_overlap.engine.held_graphs import PendingBackwards, holder_name, release_from_contexts
 from megatron_tp_overlap.engine.space import TuningConfig
 from megatron_tp_overlap.engine.topology import OverlapModule
 from megatron_tp_overlap.errors import StaleCommunicatorError
@@ -230,6 +230,7 @@ class UbSwitcher:
     # "Context.attribute" of every communicator reference let go by a context that outlived its step
     # (engine/held_graphs.py: a Megatron-LM MoE run at TP=2 kept every qkv's context)
     released: set[str] = field(default_factory=set)
+    _pending: PendingBackwards | None = None  # from the first switch to close()
 
     @contextlib.contextmanager
     def _own_bootstrap_groups(self) -> Iterator[None]:
@@ -272,8 +273,11 @@ class UbSwitcher:
     def close(self) -> None:
         """Destroy the bootstrap groups once no switch is to come (every rank, at the same point): the live
         communicators no longer use them, and a process group left to the interpreter's exit is torn down there,
-        late. A later switch creates new ones."""
+        late. The forward hooks of :class:`PendingBackwards` go too. A later switch makes both again."""
         self._drop_bootstrap(abort=False)
+        if self._pending is not None:
+            self._pending.remove()
+            self._pending = None
 
     def _drop_bootstrap(self, abort: bool) -> None:
         import torch.distributed as dist
@@ -309,6 +313,13 @@ class UbSwitcher:
         lap("collect")
         _sync()
         lap("sync")
+        pending = self._pending.pending() if self._pending is not None else []
+        if pending:
+            raise StaleCommunicatorError(
+                "cannot switch userbuffers configs: a forward of the overlapped modules has a graph whose backward "
+                f"has not run ({', '.join(pending[:3])}); it would run with the next config's communicators (run "
+                "that backward, or drop the step's outputs/loss, first)"
+            )
         comms = base._ub_communicators
         if comms:
             objs = list(comms.values())
@@ -341,6 +352,8 @@ class UbSwitcher:
         """Make ``config`` live. Returns True when userbuffers were re-initialized (always with ``force``).
         ``agreed_after``: the caller's next act is an agreement of every rank, which stands for the last barrier."""
         reinit = force or self.current is None or config.ub != self.current.ub
+        if self._pending is None:
+            self._pending = PendingBackwards(m.module for m in self.modules)
         if reinit:
             base = _te_base()
             t0 = time.perf_counter()
