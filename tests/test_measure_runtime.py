@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from megatron_tp_overlap.atomic import atomic_write_text
+from megatron_tp_overlap.engine import held_graphs
 from megatron_tp_overlap.engine import switcher as ub_runtime
 from megatron_tp_overlap.engine.measure import HostEvent, SlotTimer, agree_max, module_node
 from megatron_tp_overlap.engine.numerics import Fingerprint, rel_diff
@@ -425,6 +426,10 @@ def test_a_forward_whose_backward_has_not_run_refuses_the_switch(fake_te):
     z = model(x)
     del z  # dropped unrun
     assert sw.apply(TuningConfig(UbConfig())) and fake_te.destroys == 2
+    # TE's unfused bias is added after its Function: the context is found a few ops below the output
+    out = (_KeepsCommunicator.apply(x, None) + 1).view(-1)
+    assert type(held_graphs._function_node(out.grad_fn)).__name__ == "_KeepsCommunicatorBackward"
+    assert held_graphs._function_node((x * 2).grad_fn) is None
     sw.close()  # hooks gone: a later forward is no business of a closed switcher
     assert not any(m.module._forward_hooks for m in sw.modules)
 

@@ -92,6 +92,18 @@ def _tensors(output: Any) -> Iterable[torch.Tensor]:
             yield from _tensors(o)
 
 
+def _function_node(node: Any, depth: int = 3) -> Any:
+    """The custom-Function node (TE's context) that made an output: the output's own node, or one a few ops below it
+    (TE adds an unfused bias after its Function, ``gemm_bias_unfused_add``); None without one."""
+    if node is None or isinstance(node, torch.autograd.function.BackwardCFunction):
+        return node
+    for child, _ in node.next_functions if depth > 0 else ():
+        found = _function_node(child, depth - 1)
+        if found is not None:
+            return found
+    return None
+
+
 class PendingBackwards:
     """The autograd contexts of the overlapped modules' forwards whose backward has not begun, held weakly.
 
@@ -109,8 +121,8 @@ class PendingBackwards:
         if not torch.is_grad_enabled():
             return
         for t in _tensors(output):
-            node = t.grad_fn
-            if isinstance(node, torch.autograd.function.BackwardCFunction) and node not in self._contexts:
+            node = _function_node(t.grad_fn)
+            if node is not None and node not in self._contexts:
                 self._contexts.add(node)
                 node.register_prehook(self._forget(weakref.ref(node)))
 
