@@ -349,6 +349,15 @@ def inner(
         result["runs"] = []
         result["probe"] = probe_delays(real)  # the put-in delay, measured on whole steps
         delays.set({})
+
+        def save() -> None:  # after each part: a run cut short keeps what it measured
+            if int(os.environ.get("RANK", "0")) == 0:
+                out.mkdir(parents=True, exist_ok=True)
+                tmp = out / "search_on_real_steps.json.tmp"
+                tmp.write_text(json.dumps(result, indent=1) + "\n")
+                os.replace(tmp, out / "search_on_real_steps.json")
+
+        save()
         if common_factor:  # does a slow stretch slow every part of a step alike? (common_factor.py)
             import common_factor as cf
 
@@ -357,6 +366,7 @@ def inner(
             trials = cf.record(real, common_factor, SearchOptions().halving_steps)
             result["common_factor"] = {"trials": trials, "summary": cf.summarize(trials)}
             print(cf.line(result["common_factor"]["summary"]), flush=True)
+            save()  # with --runs 0 nothing else would write it (2026-11-26: the trials were lost so)
             delays.set({})
         for i in range(runs):
             if time.perf_counter() - t_start > 60 * minutes:
@@ -370,11 +380,7 @@ def inner(
                 rec["wall_s"] = round(time.perf_counter() - t_start, 1)
                 result["runs"].append(rec)
                 print(f"[search_on_real_steps] {json.dumps(rec)}", flush=True)
-                if int(os.environ.get("RANK", "0")) == 0:
-                    out.mkdir(parents=True, exist_ok=True)
-                    tmp = out / "search_on_real_steps.json.tmp"
-                    tmp.write_text(json.dumps(result, indent=1) + "\n")
-                    os.replace(tmp, out / "search_on_real_steps.json")
+                save()
                 delays.set({})
         torch.cuda.synchronize()
         return 0, 0  # no training; pretrain() carries on to its end
@@ -425,6 +431,10 @@ def table(result: dict) -> str:
         f"step {result['step_ms']:.1f} ms; put-in delays measured: 'no overlap' {pr['no overlap_ms']:.2f} ms vs "
         f"reference {pr['reference_ms']:.2f} ms, put in {pr['true_difference_ms']:.2f} ms apart",
     ]
+    if "common_factor" in result:
+        import common_factor as cf
+
+        rows.append(cf.line(result["common_factor"]["summary"]))
     for v in sorted({variant_of(r) for r in result["runs"]}):
         s = summarize([r for r in result["runs"] if variant_of(r) == v])
         rows += [
