@@ -16,18 +16,17 @@ the final ABBA decision still guards the result.
 
 from __future__ import annotations
 
-import bisect
 import math
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from megatron_tp_overlap.engine import brackets, rest_scaling
 from megatron_tp_overlap.engine.space import Option, TuningConfig
 from megatron_tp_overlap.engine.trial import Trial, Work
 
 Raw = dict[Option, list[tuple[Trial, list[float]]]]
 RECHECKS = 3  # fresh looks at a GEMM's leader at most (the 2nd and 3rd only while inconclusive: search.py)
-JUMP = 0.1  # a change of the incumbent's level between two of its trials beyond which the trials between are unknown
 
 
 @dataclass
@@ -75,48 +74,26 @@ class Racing:
         counts of the incumbent trials on either side (a trial right after a bracket leans on that bracket alone)."""
         slots = self._slots_of(opt)
         tracks: dict[int, tuple] = {}  # per step count: the shared cache is looked up once per call, not per trial
-        out = []
+        out, norm = [], self._rest_norm(incumbent)
+        level = lambda x: statistics.median(v) if (v := self._score(rest_scaling.scaled(x, norm), slots)) else None  # noqa: E731
         for t, score in entries:
             n = len(t.step_samples)
             if n not in tracks:
                 key = ("track", incumbent, slots, n, len(self.trials))
                 if key not in self._cache:
-                    level = lambda x: statistics.median(v) if (v := self._score(x.slot_samples, slots)) else None  # noqa: E731
                     inc = self._incumbent_trials(incumbent, n)
                     pts = sorted((x.position, v, len(x.step_samples)) for x in inc if (v := level(x)) is not None)
                     self._cache[key] = (self._track(inc, level), pts, [p for p, _, _ in pts])
                 tracks[n] = self._cache[key]
             track, pts, pos = tracks[n]
-            if n > 1 and self._jumped(pts, pos, t.position):
+            if n > 1 and brackets.jumped(pts, pos, t.position):
                 continue  # the incumbent changed suddenly around this trial: what it did at that moment is unknown
+            if norm:
+                score = self._score(rest_scaling.scaled(t, norm), slots) or score
             ref = track(t.position)
             if not math.isnan(ref):
-                out.append(([v - ref for v in score], self._ref_var(pts, pos, t.position)))
+                out.append(([v - ref for v in score], brackets.ref_var(pts, pos, t.position)))
         return out
-
-    # ``pts`` are sorted by position and ``pos`` holds their positions: the incumbent trials on either side of a
-    # position are found by bisection (these run per trial of every option in every racing round)
-
-    @staticmethod
-    def _ref_var(pts: list[tuple[float, float, int]], pos: list[float], position: float) -> float:
-        i = bisect.bisect_right(pos, position)  # pts[:i] at or before ``position``, pts[i:] after it
-        if i == 0 or i == len(pts):
-            return 1 / max(1, pts[i - 1 if i else 0][2])
-        (p0, _, n0), (p1, _, n1) = pts[i - 1], pts[i]
-        w = (p1 - position) / (p1 - p0) if p1 > p0 else 0.5
-        return w * w / max(1, n0) + (1 - w) * (1 - w) / max(1, n1)
-
-    @staticmethod
-    def _jumped(pts: list[tuple[float, float, int]], pos: list[float], position: float) -> bool:
-        """Whether the incumbent trials on either side of ``position`` differ by more than ``JUMP`` of its level: a
-        sudden change (+25% for a stretch) between them leaves every re-measurement in between compared with a
-        level the incumbent never had (on 40 simulated seeds the worst kept 42% of the gain); such a trial's
-        samples are left out, and the option, less measured, runs again in the next round."""
-        i0, i1 = bisect.bisect_left(pos, position), bisect.bisect_right(pos, position)  # strictly before / after
-        if i0 == 0 or i1 == len(pts):
-            return False
-        before, after = pts[i0 - 1][1], pts[i1][1]
-        return abs(after - before) > JUMP * max(after, before)
 
     def _incumbent_level(self, incumbent: TuningConfig, opt: Option) -> float:
         vals = [
@@ -302,13 +279,37 @@ class Racing:
             self._cache[key] = 1.4826 * statistics.median(diffs) if diffs else 0.0
         return self._cache[key]
 
+    def _rest_norm(self, incumbent: TuningConfig) -> tuple[float, dict[str, float]] | None:
+        """(the incumbent's median rest of the step in ms, per-slot betas) for ``SearchOptions.rest_norm``; None
+        when off or when no slot follows the rest (engine/rest_scaling.py)."""
+        if not self.opt.rest_norm:
+            return None
+        key = ("rest_norm", incumbent, len(self.trials))
+        if key not in self._cache:
+            self._cache[key] = rest_scaling.norm(self._incumbent_trials(incumbent), self._betas())
+        return self._cache[key]
+
+    def _betas(self) -> dict[str, float]:
+        """:func:`rest_scaling.fit_betas` over every trial so far, each trial's terms added once."""
+        if not self.opt.rest_norm:
+            return {}
+        done, sums, betas = self._cache.get(("beta_sums",), (0, {}, {}))
+        if done < len(self.trials):
+            for t in self.trials[done:]:
+                rest_scaling.add(sums, t)
+            done, betas = len(self.trials), rest_scaling.betas_of(sums)
+            self._cache[("beta_sums",)] = (done, sums, betas)
+        return betas
+
     def _trial_diffs(self, t: Trial) -> list[tuple[tuple[int, int], float, float, float]]:
         """Per consecutive pair of each slot's samples scaled to their median: (group length, position), relative
-        difference, difference, level (what :func:`stats.pooled_sigma` computes per group, in its arithmetic)."""
-        key = ("diffs", t.index)
+        difference, difference, level (what :func:`stats.pooled_sigma` computes per group, in its arithmetic); with
+        ``rest_norm``, of the samples as the racing scores them (engine/rest_scaling.py)."""
+        betas = self._betas()
+        key = ("diffs", t.index, tuple(sorted(betas.items())))
         if key not in self._cache:
             out = []
-            for v in t.slot_samples.values():
+            for v in rest_scaling.own_scaled(t, betas).values():
                 if not v or (m := statistics.median(v)) <= 0:
                     continue
                 g = [x / m for x in v]

@@ -103,8 +103,12 @@ class SearchOptions:
     runoff: int = 3
     level: float = 0.95  # confidence of the final decision's interval
     # 1: the final decision sums only the slots whose GEMMs the two configs run differently (the rest only add
-    # noise: on host-bound MoE steps the GPU waits inside every layer); the whole-step interval still guards
-    changed_slots: int = 0
+    # noise: on real MoE steps the forwards vary 9-27% between trials, each on its own); the whole-step interval
+    # still guards
+    changed_slots: int = 1
+    # 1: the racing rounds scale each slot's steps by the share of the rest of the step's slowdown that the slot
+    # follows, fitted per slot (engine/rest_scaling.py; 0 where it moves on its own); the final decision is not scaled
+    rest_norm: int = 1
     # the final decision's quadruple gains are clipped at their median +- this many robust standard deviations
     # (paired.clipped; 0: not clipped): a stretch of slow steps in a few blocks left real 1.2-2.3% gains undecided
     clip_sds: float = 4.0
@@ -140,8 +144,9 @@ class SearchOptions:
             )
         if not 0.5 <= self.level < 1:
             raise ValueError(f"level = {self.level}: must be in [0.5, 1)")
-        if self.changed_slots not in (0, 1):
-            raise ValueError(f"changed_slots = {self.changed_slots}: must be 0 or 1")
+        for k in ("changed_slots", "rest_norm"):
+            if getattr(self, k) not in (0, 1):
+                raise ValueError(f"{k} = {getattr(self, k)}: must be 0 or 1")
         if self.clip_sds < 0:
             raise ValueError(f"clip_sds = {self.clip_sds}: must be >= 0 (0: the quadruples' gains are not clipped)")
 

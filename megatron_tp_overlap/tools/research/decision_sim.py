@@ -4,8 +4,7 @@ A simulated GPT layer stack (qkv/proj/fc1/fc2, 12 GEMMs) where every config's tr
 scenario adds what real trial steps show (H200, Megatron-LM): per-slot GPU noise, host jitter on the step,
 a step time that drifts (ramp) or jumps (+25% for a third of the budget), a periodic slow step, the power
 limit's clock oscillation (measured: benchmarks/results/2026-11-23_h200x1/trial_noise/), free-running or restarting
-in phase after every switch (../verify_noise/). Per seed a
-few options of a few GEMMs are truly faster (together ``gain`` of the step), or none is (``equal``). The
+in phase after every switch (../verify_noise/). Per seed a few options of a few GEMMs are truly faster (together ``gain`` of the step), or none is (``equal``). The
 search runs on it unchanged (:class:`~engine.search.Searcher` with the default options) and is scored by
 the true cost of what it chose:
 
@@ -179,8 +178,9 @@ class Clocked:
         wall = (steps + warmup) * self.step_s + self.switch_s * (config != self.live) + self.first_s
         self.first_s = 0.0  # one-off costs of the first trial
         self.t, self.live = self.t + wall, config
-        scale = 1000 * self.step_s / STEP_MS  # GPU ms per step as the clock has them
-        return Measurement(m.slot_ms, [v * scale for v in m.step_ms], self.t, m.steps_run, wall_s=wall)
+        k = 1000 * self.step_s / STEP_MS  # GPU ms per step as the clock has them, slots and steps alike (the rest)
+        slots = {s: [v * k for v in vs] for s, vs in m.slot_ms.items()}
+        return Measurement(slots, [v * k for v in m.step_ms], self.t, m.steps_run, wall_s=wall)
 
 
 @dataclass

@@ -1,0 +1,107 @@
+"""The rest of a step as a measure of a slowdown that a slot shares with it (the racing rounds, engine/racing.py).
+
+The rest of a step (the step minus every timed slot) runs the same kernels whatever the config. Where a slot slows
+down together with it (a stretch of slow steps that slows the whole step), dividing each step's slot time by
+``1 + beta (rest / level - 1)`` takes that shared part out of the racing's samples; ``beta`` is fitted per slot on
+every trial of the search (:func:`betas`). Where a slot moves on its own it is left alone: on real steps on one H200 the
+MoE backwards varied 0.1-0.3% between trials while the rest moved, and dividing them by the whole rest widened that to
+13-14% (benchmarks/results/2026-11-26_h200x2/), so one factor for every slot would have hurt them. The final ABBA
+decision is never scaled: a config is still accepted on its measured times only.
+
+decision_sim, 200 seeds, with ``changed_slots=1``: hostbound (a stretch slows every slot and the rest) mean 98.7 ->
+100%, worst seed 57.2 -> 100%; the other 8 scenarios unchanged at 100%; false winners 0.0% in all 9
+(benchmarks/results/2026-11-25_cpu/decision_sim/, twenty-first section).
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+R2_MIN = 0.25  # the share of a slot's step-to-step variance the rest must explain for the slot to be scaled
+T_MIN = 3.0  # ... with a correlation this many standard errors from none (t = r sqrt((n - 2) / (1 - r^2)))
+MIN_PAIRS = 8  # pairs of consecutive steps, at least
+
+
+def rest(t: Any) -> list[float]:
+    """Per step of trial ``t``: the step minus all its slots (ms); [] when a slot was not timed in every step."""
+    cols = list(t.slot_samples.values())
+    if not cols or any(len(c) < len(t.step_samples) for c in cols):
+        return []
+    return [s - sum(c[i] for c in cols) for i, s in enumerate(t.step_samples)]
+
+
+def terms(t: Any) -> dict[str, tuple[float, float, float, int]]:
+    """Trial ``t``'s part of each slot's least-squares fit on the rest (:func:`betas_of`): per slot, over its
+    consecutive steps, the sums of (slot's relative change x rest's), (rest's)^2 and (slot's)^2, and their count."""
+    c = rest(t)
+    if t.error or len(c) < 2 or (mc := statistics.median(c)) <= 0:
+        return {}
+    dc = [(y1 - y0) / mc for y0, y1 in zip(c, c[1:])]
+    out = {}
+    for s, v in t.slot_samples.items():
+        if len(v) >= 2 and (mv := statistics.median(v)) > 0:
+            dv = [(x1 - x0) / mv for x0, x1 in zip(v, v[1:])]
+            out[s] = (
+                sum(x * y for x, y in zip(dv, dc)),
+                sum(y * y for y in dc[: len(dv)]),
+                sum(x * x for x in dv),
+                len(dv),
+            )
+    return out
+
+
+def betas_of(sums: dict[str, tuple[float, float, float, int]]) -> dict[str, float]:
+    """Per slot, the slope of its relative step-to-step changes on the rest's (clipped to 1, rounded to 0.1), where
+    scaling by it removes at least ``R2_MIN`` of their variance, beyond what chance gives (``T_MIN``); else 0 (a
+    slope the noise alone gives, early in a search or where the slot moves on its own, would add the rest's noise)."""
+    out = {}
+    for s, (sxy, sxx, syy, n) in sums.items():
+        r2 = sxy * sxy / (sxx * syy) if sxx > 0 and syy > 0 else 0.0
+        fits = sxy > 0 and n >= MIN_PAIRS and r2 >= R2_MIN and r2 * (n - 2) >= T_MIN**2 * (1 - r2)
+        out[s] = round(min(1.0, sxy / sxx), 1) if fits else 0.0
+    return out
+
+
+def add(sums: dict[str, tuple[float, float, float, int]], t: Any) -> None:
+    """Add trial ``t``'s :func:`terms` to ``sums`` (in place)."""
+    for s, new in terms(t).items():
+        old = sums.get(s, (0.0, 0.0, 0.0, 0))
+        sums[s] = tuple(a + b for a, b in zip(old, new))  # type: ignore[assignment]
+
+
+def fit_betas(trials: list[Any]) -> dict[str, float]:
+    """Per slot, the share of the rest's relative step-to-step changes that the slot's follow, 0-1 (:func:`betas_of`
+    over every trial's consecutive steps)."""
+    sums: dict[str, tuple[float, float, float, int]] = {}
+    for t in trials:
+        add(sums, t)
+    return betas_of(sums)
+
+
+def norm(incumbent_trials: list[Any], betas: dict[str, float]) -> tuple[float, dict[str, float]] | None:
+    """(the incumbent's median rest of the step in ms, ``betas``) for :func:`scaled`; None when no slot follows."""
+    vals = [v for t in incumbent_trials for v in rest(t)]
+    level = statistics.median(vals) if vals else 0.0
+    return (level, betas) if level > 0 and any(betas.values()) else None
+
+
+def scaled(t: Any, norm: tuple[float, dict[str, float]] | None) -> dict[str, list[float]]:
+    """``t``'s per-slot samples, each step's over ``1 + beta (rest / level - 1)`` with its slot's beta (``norm``:
+    the rest's ms that counts as no slowdown, and the betas); the samples themselves where nothing is scaled."""
+    if not norm:
+        return t.slot_samples
+    level, betas = norm
+    c = rest(t) if level > 0 and any(betas.values()) else []
+    if not c:
+        return t.slot_samples
+    return {
+        s: [x / max(0.5, 1 + b * (y / level - 1)) for x, y in zip(v, c)] if (b := betas.get(s, 0.0)) else v
+        for s, v in t.slot_samples.items()
+    }
+
+
+def own_scaled(t: Any, betas: dict[str, float]) -> dict[str, list[float]]:
+    """:func:`scaled` relative to the trial's own median rest (for the step-to-step spread within a trial)."""
+    c = rest(t) if any(betas.values()) else []
+    return scaled(t, (statistics.median(c), betas)) if c else t.slot_samples
