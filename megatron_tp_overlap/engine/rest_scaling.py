@@ -24,11 +24,16 @@ MIN_PAIRS = 8  # pairs of consecutive steps, at least
 
 
 def rest(t: Any) -> list[float]:
-    """Per step of trial ``t``: the step minus all its slots (ms); [] when a slot was not timed in every step."""
+    """Per step of trial ``t``: the step minus all its slots (ms); [] when a slot was not timed in every step. Kept
+    on the trial (its samples never change): the racing asks for it in every round."""
+    if (kept := t.__dict__.get("_rest")) is not None:
+        return kept
     cols = list(t.slot_samples.values())
-    if not cols or any(len(c) < len(t.step_samples) for c in cols):
-        return []
-    return [s - sum(c[i] for c in cols) for i, s in enumerate(t.step_samples)]
+    out = [] if not cols or any(len(c) < len(t.step_samples) for c in cols) else t.step_samples[:]
+    for c in cols if out else ():
+        out = [x - y for x, y in zip(out, c)]
+    t.__dict__["_rest"] = out
+    return out
 
 
 def terms(t: Any) -> dict[str, tuple[float, float, float, int]]:
@@ -92,13 +97,20 @@ def scaled(t: Any, norm: tuple[float, dict[str, float]] | None) -> dict[str, lis
     if not norm:
         return t.slot_samples
     level, betas = norm
+    key = (level, tuple(betas.items()))
+    if (kept := t.__dict__.get("_scaled")) is not None and kept[0] == key:
+        return kept[1]
     c = rest(t) if level > 0 and any(betas.values()) else []
-    if not c:
-        return t.slot_samples
-    return {
-        s: [x / max(0.5, 1 + b * (y / level - 1)) for x, y in zip(v, c)] if (b := betas.get(s, 0.0)) else v
-        for s, v in t.slot_samples.items()
-    }
+    out = (
+        {
+            s: [x / max(0.5, 1 + b * (y / level - 1)) for x, y in zip(v, c)] if (b := betas.get(s, 0.0)) else v
+            for s, v in t.slot_samples.items()
+        }
+        if c
+        else t.slot_samples
+    )
+    t.__dict__["_scaled"] = (key, out)
+    return out
 
 
 def own_scaled(t: Any, betas: dict[str, float]) -> dict[str, list[float]]:
