@@ -178,7 +178,7 @@ def test_the_rest_scaling_follows_each_slot_alone():
     betas = rest_scaling.fit_betas(trials)
     assert betas == {"fc1.fwd": 1.0, "fc1.bwd": 0.0}, betas
     t = trials[0]
-    scaled = rest_scaling.scaled(t, rest_scaling.norm(trials, betas))
+    scaled = rest_scaling.scaled(t, rest_scaling.norm_for(trials, betas))
     assert scaled["fc1.bwd"] is t.slot_samples["fc1.bwd"]
-    level = statistics.median(v for x in trials for v in rest_scaling.rest(x))
-    assert scaled["fc1.fwd"] == [x / (y / level) for x, y in zip(t.slot_samples["fc1.fwd"], rest_scaling.rest(t))]
+    level = statistics.median(v for x in trials for v in x.rest_samples)
+    assert scaled["fc1.fwd"] == [x / (y / level) for x, y in zip(t.slot_samples["fc1.fwd"], t.rest_samples)]

@@ -84,7 +84,7 @@ def holder_name(referrer: Any) -> str:
 
 
 def _tensors(output: Any) -> Iterable[torch.Tensor]:
-    """The tensors of a module's output (a tensor, or a tuple/list of them and other things, as TE's ``return_bias``)."""
+    """The tensors of a module's output: a tensor, or a tuple/list of them and other things (TE's ``return_bias``)."""
     if isinstance(output, torch.Tensor):
         yield output
     elif isinstance(output, (tuple, list)):

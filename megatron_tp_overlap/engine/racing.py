@@ -44,7 +44,7 @@ class Race:
     ended: str = ""  # why the rounds ended, in one line
 
 
-class Racing:
+class Racing(rest_scaling.RestScaling):
     """The racing rounds and the per-slot account of what was tried and left (mixin); each option is scored against
     the incumbent at the same moment."""
 
@@ -75,7 +75,7 @@ class Racing:
         slots = self._slots_of(opt)
         tracks: dict[int, tuple] = {}  # per step count: the shared cache is looked up once per call, not per trial
         out, norm = [], self._rest_norm(incumbent)
-        level = lambda x: statistics.median(v) if (v := self._score(rest_scaling.scaled(x, norm), slots)) else None  # noqa: E731
+        level = lambda x: statistics.median(v) if (v := self._score(self._scaled(x, norm), slots)) else None  # noqa: E731
         for t, score in entries:
             n = len(t.step_samples)
             if n not in tracks:
@@ -89,7 +89,7 @@ class Racing:
             if n > 1 and brackets.jumped(pts, pos, t.position):
                 continue  # the incumbent changed suddenly around this trial: what it did at that moment is unknown
             if norm:
-                score = self._score(rest_scaling.scaled(t, norm), slots) or score
+                score = self._score(self._scaled(t, norm), slots) or score
             ref = track(t.position)
             if not math.isnan(ref):
                 out.append(([v - ref for v in score], brackets.ref_var(pts, pos, t.position)))
@@ -278,28 +278,6 @@ class Racing:
             diffs = [abs(d - shared[k] * level) / math.sqrt(2) for k, _, d, level in pairs]
             self._cache[key] = 1.4826 * statistics.median(diffs) if diffs else 0.0
         return self._cache[key]
-
-    def _rest_norm(self, incumbent: TuningConfig) -> tuple[float, dict[str, float]] | None:
-        """(the incumbent's median rest of the step in ms, per-slot betas) for ``SearchOptions.rest_norm``; None
-        when off or when no slot follows the rest (engine/rest_scaling.py)."""
-        if not self.opt.rest_norm:
-            return None
-        key = ("rest_norm", incumbent, len(self.trials))
-        if key not in self._cache:
-            self._cache[key] = rest_scaling.norm(self._incumbent_trials(incumbent), self._betas())
-        return self._cache[key]
-
-    def _betas(self) -> dict[str, float]:
-        """:func:`rest_scaling.fit_betas` over every trial so far, each trial's terms added once."""
-        if not self.opt.rest_norm:
-            return {}
-        done, sums, betas = self._cache.get(("beta_sums",), (0, {}, {}))
-        if done < len(self.trials):
-            for t in self.trials[done:]:
-                rest_scaling.add(sums, t)
-            done, betas = len(self.trials), rest_scaling.betas_of(sums)
-            self._cache[("beta_sums",)] = (done, sums, betas)
-        return betas
 
     def _trial_diffs(self, t: Trial) -> list[tuple[tuple[int, int], float, float, float]]:
         """Per consecutive pair of each slot's samples scaled to their median: (group length, position), relative

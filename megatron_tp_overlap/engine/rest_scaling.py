@@ -3,10 +3,10 @@
 The rest of a step (the step minus every timed slot) runs the same kernels whatever the config. Where a slot slows
 down together with it (a stretch of slow steps that slows the whole step), dividing each step's slot time by
 ``1 + beta (rest / level - 1)`` takes that shared part out of the racing's samples; ``beta`` is fitted per slot on
-every trial of the search (:func:`betas`). Where a slot moves on its own it is left alone: on real steps on one H200 the
-MoE backwards varied 0.1-0.3% between trials while the rest moved, and dividing them by the whole rest widened that to
-13-14% (benchmarks/results/2026-11-26_h200x2/), so one factor for every slot would have hurt them. The final ABBA
-decision is never scaled: a config is still accepted on its measured times only.
+every trial of the search (:func:`fit_betas`). Where a slot moves on its own it is left alone: on real steps on one
+H200 the MoE backwards varied 0.1-0.3% between trials while the rest moved, and dividing them by the whole rest
+widened that to 13-14% (benchmarks/results/2026-11-26_h200x2/), so one factor for every slot would hurt them. The ABBA
+(final) decision is never scaled: a config is still accepted on its measured times only.
 
 decision_sim, 200 seeds, with ``changed_slots=1``: hostbound (a stretch slows every slot and the rest) mean 98.7 ->
 100%, worst seed 57.2 -> 100%; the other 8 scenarios unchanged at 100%; false winners 0.0% in all 9
@@ -23,23 +23,10 @@ T_MIN = 3.0  # ... with a correlation this many standard errors from none (t = r
 MIN_PAIRS = 8  # pairs of consecutive steps, at least
 
 
-def rest(t: Any) -> list[float]:
-    """Per step of trial ``t``: the step minus all its slots (ms); [] when a slot was not timed in every step. Kept
-    on the trial (its samples never change): the racing asks for it in every round."""
-    if (kept := t.__dict__.get("_rest")) is not None:
-        return kept
-    cols = list(t.slot_samples.values())
-    out = [] if not cols or any(len(c) < len(t.step_samples) for c in cols) else t.step_samples[:]
-    for c in cols if out else ():
-        out = [x - y for x, y in zip(out, c)]
-    t.__dict__["_rest"] = out
-    return out
-
-
 def terms(t: Any) -> dict[str, tuple[float, float, float, int]]:
     """Trial ``t``'s part of each slot's least-squares fit on the rest (:func:`betas_of`): per slot, over its
     consecutive steps, the sums of (slot's relative change x rest's), (rest's)^2 and (slot's)^2, and their count."""
-    c = rest(t)
+    c = t.rest_samples
     if t.error or len(c) < 2 or (mc := statistics.median(c)) <= 0:
         return {}
     dc = [(y1 - y0) / mc for y0, y1 in zip(c, c[1:])]
@@ -84,9 +71,9 @@ def fit_betas(trials: list[Any]) -> dict[str, float]:
     return betas_of(sums)
 
 
-def norm(incumbent_trials: list[Any], betas: dict[str, float]) -> tuple[float, dict[str, float]] | None:
+def norm_for(incumbent_trials: list[Any], betas: dict[str, float]) -> tuple[float, dict[str, float]] | None:
     """(the incumbent's median rest of the step in ms, ``betas``) for :func:`scaled`; None when no slot follows."""
-    vals = [v for t in incumbent_trials for v in rest(t)]
+    vals = [v for t in incumbent_trials for v in t.rest_samples]
     level = statistics.median(vals) if vals else 0.0
     return (level, betas) if level > 0 and any(betas.values()) else None
 
@@ -97,23 +84,51 @@ def scaled(t: Any, norm: tuple[float, dict[str, float]] | None) -> dict[str, lis
     if not norm:
         return t.slot_samples
     level, betas = norm
-    key = (level, tuple(betas.items()))
-    if (kept := t.__dict__.get("_scaled")) is not None and kept[0] == key:
-        return kept[1]
-    c = rest(t) if level > 0 and any(betas.values()) else []
-    out = (
-        {
-            s: [x / max(0.5, 1 + b * (y / level - 1)) for x, y in zip(v, c)] if (b := betas.get(s, 0.0)) else v
-            for s, v in t.slot_samples.items()
-        }
-        if c
-        else t.slot_samples
-    )
-    t.__dict__["_scaled"] = (key, out)
-    return out
+    c = t.rest_samples if level > 0 and any(betas.values()) else []
+    if not c:
+        return t.slot_samples
+    return {
+        s: [x / max(0.5, 1 + b * (y / level - 1)) for x, y in zip(v, c)] if (b := betas.get(s, 0.0)) else v
+        for s, v in t.slot_samples.items()
+    }
 
 
 def own_scaled(t: Any, betas: dict[str, float]) -> dict[str, list[float]]:
     """:func:`scaled` relative to the trial's own median rest (for the step-to-step spread within a trial)."""
-    c = rest(t) if any(betas.values()) else []
+    c = t.rest_samples if any(betas.values()) else []
     return scaled(t, (statistics.median(c), betas)) if c else t.slot_samples
+
+
+class RestScaling:
+    """The search's side (mixin of engine/racing.py): the betas over every trial so far, each trial's terms added
+    once; the incumbent's rest level; each trial's scaled samples, computed once per trial count."""
+
+    def _rest_norm(self, incumbent: Any) -> tuple[float, dict[str, float]] | None:
+        """:func:`norm_for` the incumbent's trials, for ``SearchOptions.rest_norm``; None when off."""
+        if not self.opt.rest_norm:
+            return None
+        key = ("rest_norm", incumbent, len(self.trials))
+        if key not in self._cache:
+            self._cache[key] = norm_for(self._incumbent_trials(incumbent), self._betas())
+        return self._cache[key]
+
+    def _betas(self) -> dict[str, float]:
+        """:func:`fit_betas` over every trial so far ({} when ``rest_norm`` is off)."""
+        if not self.opt.rest_norm:
+            return {}
+        done, sums, betas = self._cache.get(("beta_sums",), (0, {}, {}))
+        if done < len(self.trials):
+            for t in self.trials[done:]:
+                add(sums, t)
+            done, betas = len(self.trials), betas_of(sums)
+            self._cache[("beta_sums",)] = (done, sums, betas)
+        return betas
+
+    def _scaled(self, t: Any, norm: tuple[float, dict[str, float]] | None) -> dict[str, list[float]]:
+        """:func:`scaled`, kept while ``norm`` stays (the racing rounds score every trial again)."""
+        if not norm:
+            return t.slot_samples
+        key = ("scaled", t.index, norm[0], tuple(norm[1].items()))
+        if key not in self._cache:
+            self._cache[key] = scaled(t, norm)
+        return self._cache[key]

@@ -7,6 +7,7 @@ import math
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from megatron_tp_overlap.engine import paired
@@ -184,6 +185,15 @@ class Trial:
     position: float = 0.0  # steps since tuning began, at the first measured step (drift is a function of it)
     slot_samples: dict[str, list[float]] = field(default_factory=dict)  # slot -> ms per measured step
     seconds: float = 0.0  # agreed clock since the trial before (switch, warm-up, steps, search's work); first: own wall
+
+    @cached_property
+    def rest_samples(self) -> list[float]:
+        """Per measured step: the step minus all its slots (ms), what no config changes; [] when a slot was not timed
+        in every step. Read once the trial is measured (the search sets the samples before it keeps the trial)."""
+        cols = list(self.slot_samples.values())
+        if not cols or any(len(c) < len(self.step_samples) for c in cols):
+            return []
+        return [s - sum(c[i] for c in cols) for i, s in enumerate(self.step_samples)]
 
     def to_dict(self) -> dict:
         return {
