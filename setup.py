@@ -25,7 +25,7 @@ setup(
     ],
     entry_points={"console_scripts": ["megatron-tp-overlap = megatron_tp_overlap.tools.cli:main"]},
     extras_require={
-        "test": ["pytest>=7.4", "ruff==0.17.6"],
+        "test": ["pytest>=7.4", "pytest-xdist>=3.5", "ruff==0.17.6"],  # -n 2: CI has 2 cores
         # Needs CUDA to build/run; installed on GPU nodes only.
         "te": ["transformer-engine[pytorch]>=2.20", "megatron-core>=0.19"],
     },

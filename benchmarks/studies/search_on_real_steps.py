@@ -246,6 +246,13 @@ def one_search(real: RealSteps, seed: int, gain: float, preset: bool = False, va
             c.name: round(100 * (world.step_ms(c.config) - best_ms) / sim.STEP_MS, 3) for c in res.contenders
         },
         "selection_gain_ms": d.get("selection_gain_ms"),
+        # why a gain was left: the world's truly faster options, each GEMM's leader after the racing, per slot what
+        # the racing measured and how much of the rest's slowdown it took out
+        "world_fast": sorted(f"{g}: {label}" for g, label in world.fast),
+        "choices": res.choices,
+        "per_slot": {
+            s: {k: v if isinstance(v, (int, float)) else len(v) for k, v in c.items()} for s, c in res.coverage.items()
+        },
     }
 
 

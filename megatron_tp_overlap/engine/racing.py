@@ -21,7 +21,7 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from megatron_tp_overlap.engine import brackets, rest_scaling
+from megatron_tp_overlap.engine import brackets, rest_scaling, trial_effect
 from megatron_tp_overlap.engine.space import Option, TuningConfig
 from megatron_tp_overlap.engine.trial import Trial, Work
 
@@ -114,6 +114,24 @@ class Racing(rest_scaling.RestScaling):
             self._cache[key] = self._sigma() * math.sqrt(sum(v * v for v in levels))
         return self._cache[key]
 
+    def _opt_tau(self, incumbent: TuningConfig, opt: Option) -> float:
+        """A trial's shared level spread of ``opt``'s slots (ms): each slot's ``tau`` (engine/trial_effect.py, over
+        the trials of every incumbent so far) times its level under the incumbent, slots independent."""
+        key = ("opt_tau", incumbent, self._slots_of(opt), len(self.trials))
+        if key not in self._cache:
+            taus = self._taus(incumbent)
+            self._cache[key] = math.sqrt(
+                sum((taus.get(s, 0.0) * self._slot_level(incumbent, s)) ** 2 for s in self._slots_of(opt))
+            )
+        return self._cache[key]
+
+    def _taus(self, incumbent: TuningConfig) -> dict[str, float]:
+        key = ("taus", incumbent, len(self.trials))
+        if key not in self._cache:
+            norm, groups = self._rest_norm(incumbent), trial_effect.incumbent_runs(self.trials)
+            self._cache[key] = trial_effect.slot_taus(groups, self._sigma(), lambda t: self._scaled(t, norm))
+        return self._cache[key]
+
     def _slot_level(self, incumbent: TuningConfig, slot: str) -> float:
         key = ("slot_level", incumbent, slot, len(self.trials))
         if key not in self._cache:
@@ -133,8 +151,10 @@ class Racing(rest_scaling.RestScaling):
             return None
         n = len(rel)
         var = 1 / n + sum((len(d) / n) ** 2 * vr for d, vr in per)
-        se = self._opt_sigma(incumbent, opt) * math.sqrt(math.pi / 2 * var)
-        return -statistics.median(rel), se, n
+        se2 = self._opt_sigma(incumbent, opt) ** 2 * math.pi / 2 * var
+        if self.opt.trial_noise:  # what each trial's steps share (engine/trial_effect.py)
+            se2 += self._opt_tau(incumbent, opt) ** 2 * trial_effect.trial_weight((len(d), n, vr) for d, vr in per)
+        return -statistics.median(rel), math.sqrt(se2), n
 
     def _settle(self, incumbent: TuningConfig, race: Race) -> dict[str, tuple[Option, float, float]]:
         """Settles what the samples rule out; returns per GEMM its leader (option, gain, se). An option is settled
@@ -212,7 +232,7 @@ class Racing(rest_scaling.RestScaling):
             queue = sorted(race.unsettled, key=lambda x: self._queue_key(x, race))
             # these rounds end at the reserve by design (race.ended says so): the budget has not cut the search short
             hit = self.budget_hit, self.limit_hit
-            untried = self._measure_options("halving", incumbent, queue, o.halving_steps, race.raw, full)
+            untried = self._measure_options("halving", incumbent, queue, o.halving_steps, race.raw, full, o.fill_slots)
             self.budget_hit, self.limit_hit = hit
             race.rounds += 1
         self._settle(incumbent, race)
@@ -331,10 +351,11 @@ class Racing(rest_scaling.RestScaling):
             )
         )
 
-    def _inconclusive(self, incumbent: TuningConfig, opt: Option, entries: list[tuple[Trial, list[float]]]) -> bool:
-        """Whether ``entries`` put ``opt`` ahead of the incumbent but not beyond the noise (:meth:`_threshold`)."""
-        b = self._gain_bounds(incumbent, opt, entries)
-        return b is not None and 0 < b[0] <= self._threshold(incumbent, opt, b[1])
+    def _inconclusive(self, incumbent: TuningConfig, opt: Option, entries: list, raced: bool = False) -> bool:
+        """Whether ``entries`` put ``opt`` ahead of the incumbent but not beyond the noise (:meth:`_threshold`), or
+        behind within it where ``raced`` (the racing put it beyond the noise; one trial can share a slow level)."""
+        g, se, _ = self._gain_bounds(incumbent, opt, entries) or (0.0, 0.0, 0)
+        return 0 < g <= self._threshold(incumbent, opt, se) or raced and -self.opt.z * se < g <= 0
 
     def _beyond_noise(self, incumbent: TuningConfig, opt: Option, entries: list[tuple[Trial, list[float]]]) -> bool:
         b = self._gain_bounds(incumbent, opt, entries) if entries else None

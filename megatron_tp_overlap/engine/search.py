@@ -158,22 +158,29 @@ class Searcher(Racing, FinalDecision, Budget):
         n = min(len(c) for c in cols)  # type: ignore[arg-type]
         return [sum(c[i] for c in cols) for i in range(n)]  # type: ignore[index]
 
-    def _pack(self, incumbent: TuningConfig, queue: list[Option]) -> tuple[TuningConfig, dict[str, Option]]:
-        """Greedily put options of disjoint slots into one config; taken options leave ``queue``."""
-        config, used, taken = incumbent, set(), {}
-        for opt in list(queue):
+    def _pack(
+        self, incumbent: TuningConfig, queue: list[Option], fill: list[Option] | None = None
+    ) -> tuple[TuningConfig, dict[str, Option]]:
+        """Greedily put options of disjoint slots into one config; taken options leave ``queue``. ``fill``: options
+        that may run again where a slot is left free (those no longer queued, in order; one taken goes last)."""
+        config, used, taken, queued = incumbent, set(), {}, set(queue)
+        for opt in list(queue) + [x for x in fill or [] if x not in queued]:
             slots = self._slots_of(opt)
             if slots & used:
                 continue
             trial = apply(config, opt, self.topo)
             if not self._valid(trial):
                 alone = apply(incumbent, opt, self.topo)
-                if not self._valid(alone):
+                if not self._valid(alone) and opt in queued:
                     queue.remove(opt)  # cannot run on this incumbent at all
                 continue
             config, used = trial, used | slots
             taken[",".join(sorted(slots))] = opt
-            queue.remove(opt)
+            if opt in queued:
+                queue.remove(opt)
+            elif fill is not None:
+                fill.remove(opt)
+                fill.append(opt)
         return config, taken
 
     def _measure_options(
@@ -184,13 +191,17 @@ class Searcher(Racing, FinalDecision, Budget):
         steps: int,
         raw: dict[Option, list[tuple[Trial, list[float]]]],
         reserve: Callable[[], Work],
+        fill: bool = False,
     ) -> int:
         """Measure ``options`` packed into trials of ``steps`` steps; the incumbent runs again (same steps)
         after every ``bracket_every`` trials and once at the end, so that each option is compared with the
-        incumbent at the same moment (:meth:`_relative`). ``raw``: option -> [(trial, per-step score)].
+        incumbent at the same moment (:meth:`_relative`). ``raw``: option -> [(trial, per-step score)]. ``fill``: a
+        slot whose options all ran measures them again while the fullest slot's still run (a round takes as many
+        trials as the fullest slot has options: qkv.fwd's 5 options measured once in proj.fwd's 20 trials).
         Returns how many options the budget left untried."""
         o = self.opt
         queue = list(options)
+        fillers = list(options) if fill else None
         retry_alone: list[Option] = []
         since = 0
         bracket_cost = steps + o.warmup_steps
@@ -215,7 +226,7 @@ class Searcher(Racing, FinalDecision, Budget):
             if not self._can_afford(steps, reserve() + Work(2 * bracket_cost, 2)):
                 untried = len(queue)
                 break
-            config, taken = self._pack(incumbent, queue)
+            config, taken = self._pack(incumbent, queue, fillers)
             if not taken:
                 break
             t = run(config, {k: f"{x.gemm}: {x.label}" for k, x in taken.items()})
@@ -287,14 +298,19 @@ class Searcher(Racing, FinalDecision, Budget):
         # a leader the re-check found ahead but within the noise is re-checked once more, and all its fresh samples
         # decide: 8 steps cannot tell 2.5% of a 6 ms slot at 2% noise (decision_sim iid seed 43 left 22% of its gain);
         # a third time where the racing rounds put it beyond the noise (locked seed 43: 0.127 +- 0.034 ms raced, 0.07
-        # in 16 fresh steps against 0.086 needed, for a true 0.148)
+        # in 16 fresh steps against 0.086 needed, for a true 0.148); with the trials' own level counted
+        # (``trial_noise``), a second where the racing put it beyond the noise but one fresh trial behind within it
+        # (real Command-R-like steps: fc1_dgrad, truly 0.23 ms faster, measured 0.18 ms slower and was left). A third look wherever
+        # still inconclusive took decision_sim trial's worst seed 82 -> 100% but named a false winner in hostbound
+        # and left a gain there (worst seed 100 -> 0%)
+        beyond = {x: self._beyond_noise(incumbent, x, race.raw.get(x, [])) for x in survivors}
         for look in range(2, RECHECKS + 1):
             again = [
                 x
                 for x in survivors
                 if x in raw_fresh
-                and self._inconclusive(incumbent, x, raw_fresh[x])
-                and (look == 2 or self._beyond_noise(incumbent, x, race.raw.get(x, [])))
+                and self._inconclusive(incumbent, x, raw_fresh[x], beyond[x] and o.trial_noise)
+                and (look == 2 or beyond[x])
             ]
             unhalved += self._measure_options("recheck", incumbent, again, o.recheck_steps, raw_fresh, decision_cost)
         self._note_cut_short(len(options), unscreened, samples, race, survivors, unhalved)

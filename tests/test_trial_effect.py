@@ -1,0 +1,85 @@
+"""The racing's standard errors with the level a trial's steps share (engine/trial_effect.py)."""
+
+import math
+import random
+
+import pytest
+
+from megatron_tp_overlap.engine import trial_effect
+from megatron_tp_overlap.engine.search import Searcher, SearchOptions
+from megatron_tp_overlap.engine.space import TuningConfig, all_off, build_space
+from megatron_tp_overlap.engine.trial import Trial
+from megatron_tp_overlap.tools.research import decision_sim as sim
+from megatron_tp_overlap.ub.config import UbConfig
+
+
+def trial(i: int, slots: dict[str, list[float]]) -> Trial:
+    return Trial(i, "bracket", None, {}, step_samples=[50.0] * 4, position=4.0 * i, slot_samples=slots)
+
+
+def test_a_level_each_trial_shares_is_measured_and_the_steps_own_spread_is_not_counted_twice():
+    """Trials whose steps are alike but whose levels alternate 1% apart: tau is the robust spread of consecutive
+    levels over sqrt(2); a slot that never moves between trials has none; with one step's spread (``sigma``) large
+    enough to explain the differences, none either."""
+    trials = [trial(i, {"fc1.fwd": [10.0 + 0.1 * (i % 2)] * 4, "fc1.bwd": [20.0] * 4}) for i in range(8)]
+    taus = trial_effect.slot_taus([trials], sigma=0.0)
+    up, down = 0.1 / 10.0, 0.1 / 10.1  # the relative differences, alternating
+    mad = sorted([up] * 4 + [down] * 3)[3]  # median of 7 absolute differences
+    assert taus["fc1.fwd"] == pytest.approx(trial_effect.MAD_TO_SD * mad / math.sqrt(2))
+    assert taus["fc1.bwd"] == 0.0
+    assert trial_effect.slot_taus([trials], sigma=0.05)["fc1.fwd"] == 0.0  # 2 x 0.05^2 / 4 > the differences'
+
+
+def test_too_few_trials_or_two_configs_apart_give_no_trial_level():
+    """Fewer than MIN_DIFFS consecutive differences count as none; and differences are only taken within one
+    config's trials (two incumbents 10% apart are two configs, not a trial-level spread)."""
+    few = [trial(i, {"qkv.fwd": [10.0 + 0.5 * (i % 2)] * 4}) for i in range(trial_effect.MIN_DIFFS)]
+    assert trial_effect.slot_taus([few], sigma=0.0) == {"qkv.fwd": 0.0}
+    a = [trial(i, {"qkv.fwd": [10.0] * 4}) for i in range(6)]
+    b = [trial(6 + i, {"qkv.fwd": [11.0] * 4}) for i in range(6)]
+    assert trial_effect.slot_taus([a, b], sigma=0.0) == {"qkv.fwd": 0.0}
+
+
+def test_the_trial_weight_counts_each_trial_by_its_share_and_the_incumbent_level_it_leans_on():
+    # two trials of 4 steps, each halfway between two 4-step brackets (ref_var 0.5^2 / 4 + 0.5^2 / 4, in samples)
+    assert trial_effect.trial_weight([(4, 8, 0.125), (4, 8, 0.125)]) == pytest.approx(2 * 0.25 * 1.5)
+    # one trial right after its bracket (ref_var 1/4: the bracket's level alone) counts twice
+    assert trial_effect.trial_weight([(4, 4, 0.25)]) == 2.0
+
+
+def accepted_in_equal_worlds(scenario: str, seeds: range, **options) -> list[int]:
+    out = []
+    space = build_space(sim.TOPO, sim.CTX, [UbConfig()])
+    ref = TuningConfig(UbConfig(), frozenset(), "reference")
+    for seed in seeds:
+        rng = random.Random(seed)
+        run = sim.SimulatedRun(sim.make_world(space, 0.0, rng), scenario, rng)
+        res = Searcher(sim.TOPO, space, run, sim.CTX, SearchOptions(**options)).run(
+            ref, {"no overlap": all_off(sim.TOPO, ref)}
+        )
+        assert res.best_name == "reference"
+        out.append(sum(c["accepted"] for c in res.choices.values()))
+    return out
+
+
+def test_in_equal_worlds_whose_trials_move_apart_the_racing_no_longer_accepts_a_choice_in_each():
+    """decision_sim's ``trial`` scenario (each trial's slots 0.5-1.5% apart, as on real dense steps on one H200):
+    the per-step standard errors accepted choices in every equal world below; with the trials' own level counted,
+    in few. The final decision kept the reference in each either way."""
+    seeds = range(5000, 5006)
+    before = accepted_in_equal_worlds("trial", seeds, trial_noise=0)
+    after = accepted_in_equal_worlds("trial", seeds)
+    assert all(before) and sum(after) < sum(before) / 3, (before, after)
+
+
+@pytest.mark.parametrize("seed, alone", [(43, 0.78), (176, 0.709)])
+def test_a_slot_left_free_in_a_racing_round_races_its_options_again_and_takes_the_gain_it_left(seed, alone):
+    """decision_sim iid on the clock of real Command-R-like trials (0.082 s per step, 0.2 s per switch): a round takes
+    as many trials as the fullest slot has options (20), and the two worst seeds left 0.63-0.67% gains' fc1/fc2 choice
+    within the noise with fc1.bwd's 14 options raced once per round. With ``fill_slots=1`` (the default) they race
+    again in the free trials, and the whole gain is taken (200 seeds: worst 70.9 -> 100%)."""
+    gain, clock = random.Random(seed).uniform(0.005, 0.05), (0.082, 0.2, 0.0)
+    before = sim.run_once("iid", gain, 1000 + seed, SearchOptions(fill_slots=0), clock=clock)
+    after = sim.run_once("iid", gain, 1000 + seed, clock=clock)
+    assert round(before.realized, 3) == alone and before.excess < 0
+    assert after.realized == 1.0 and after.seconds <= 60
