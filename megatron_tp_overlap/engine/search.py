@@ -300,9 +300,9 @@ class Searcher(Racing, FinalDecision, Budget):
         # a third time where the racing rounds put it beyond the noise (locked seed 43: 0.127 +- 0.034 ms raced, 0.07
         # in 16 fresh steps against 0.086 needed, for a true 0.148); with the trials' own level counted
         # (``trial_noise``), a second where the racing put it beyond the noise but one fresh trial behind within it
-        # (real Command-R-like steps: fc1_dgrad, truly 0.23 ms faster, measured 0.18 ms slower and was left). A third look wherever
-        # still inconclusive took decision_sim trial's worst seed 82 -> 100% but named a false winner in hostbound
-        # and left a gain there (worst seed 100 -> 0%)
+        # (real Command-R-like steps: fc1_dgrad, truly 0.23 ms faster, measured 0.18 ms slower and was left), and a
+        # third where its slots have a trial level (few fresh trials cannot tell then: decision_sim trial seed 149, a
+        # true 0.144 ms measured 0.164 against 0.181 in two; a third look everywhere named a hostbound false winner)
         beyond = {x: self._beyond_noise(incumbent, x, race.raw.get(x, [])) for x in survivors}
         for look in range(2, RECHECKS + 1):
             again = [
@@ -310,7 +310,7 @@ class Searcher(Racing, FinalDecision, Budget):
                 for x in survivors
                 if x in raw_fresh
                 and self._inconclusive(incumbent, x, raw_fresh[x], beyond[x] and o.trial_noise)
-                and (look == 2 or beyond[x])
+                and (look == 2 or beyond[x] or o.trial_noise and self._opt_tau(incumbent, x) > 0)
             ]
             unhalved += self._measure_options("recheck", incumbent, again, o.recheck_steps, raw_fresh, decision_cost)
         self._note_cut_short(len(options), unscreened, samples, race, survivors, unhalved)
