@@ -54,6 +54,7 @@ def test_the_search_stops_early_only_when_nothing_left_can_pay_for_a_switch_and_
     assert all(not r["never_measured"] and not r["screened_only"] for r in per_slot.values())
     assert sum(len(r["rechecked"]) for r in per_slot.values()) >= 1
     assert {r["rest_scaled_by"] for r in per_slot.values()} == {0.0}  # slots noisy on their own: none scaled
+    assert {r["trial_level_pct"] for r in per_slot.values()} == {0.0}  # no trial level put in: none counted
 
 
 def test_the_worst_seeds_of_the_first_racing_table_take_their_gain_and_name_no_false_winner():

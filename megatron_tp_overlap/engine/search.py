@@ -315,8 +315,10 @@ class Searcher(Racing, FinalDecision, Budget):
             unhalved += self._measure_options("recheck", incumbent, again, o.recheck_steps, raw_fresh, decision_cost)
         self._note_cut_short(len(options), unscreened, samples, race, survivors, unhalved)
         self.coverage_report = self.coverage(options, race, set(survivors) & set(raw_fresh))
+        taus = self._taus(incumbent) if o.trial_noise else {}
         for s, r in self.coverage_report.items():  # the share of the rest's slowdown taken out (engine/rest_scaling.py)
             r["rest_scaled_by"] = self._betas().get(s, 0.0)
+            r["trial_level_pct"] = round(100 * taus.get(s, 0.0), 3)  # counted in the racing (engine/trial_effect.py)
         fresh = {opt: v for opt, e in raw_fresh.items() if (v := self._relative(incumbent, opt, e))}
 
         # 3. per GEMM: the best survivor, kept if it beats the incumbent (at the same moment) beyond the noise.
