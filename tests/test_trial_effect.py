@@ -26,7 +26,7 @@ def test_a_level_each_trial_shares_is_measured_and_the_steps_own_spread_is_not_c
     taus = trial_effect.slot_taus([trials], sigma=0.0)
     up, down = 0.1 / 10.0, 0.1 / 10.1  # the relative differences, alternating
     mad = sorted([up] * 4 + [down] * 3)[3]  # median of 7 absolute differences
-    assert taus["fc1.fwd"] == pytest.approx(trial_effect.MAD_TO_SD * mad / math.sqrt(2))
+    assert taus["fc1.fwd"] == pytest.approx(1.4826 * mad / math.sqrt(2))
     assert taus["fc1.bwd"] == 0.0
     assert trial_effect.slot_taus([trials], sigma=0.05)["fc1.fwd"] == 0.0  # 2 x 0.05^2 / 4 > the differences'
 

@@ -247,7 +247,7 @@ def one_search(real: RealSteps, seed: int, gain: float, preset: bool = False, va
         },
         "selection_gain_ms": d.get("selection_gain_ms"),
         # why a gain was left: the world's truly faster options, each GEMM's leader after the racing, per slot what
-        # the racing measured and how much of the rest's slowdown it took out
+        # the racing measured, how much of the rest's slowdown it took out and the trial level it counted
         "world_fast": sorted(f"{g}: {label}" for g, label in world.fast),
         "choices": res.choices,
         "per_slot": {

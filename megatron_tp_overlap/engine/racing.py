@@ -21,7 +21,7 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from megatron_tp_overlap.engine import brackets, rest_scaling, trial_effect
+from megatron_tp_overlap.engine import brackets, rest_scaling, stats, trial_effect
 from megatron_tp_overlap.engine.space import Option, TuningConfig
 from megatron_tp_overlap.engine.trial import Trial, Work
 
@@ -119,13 +119,12 @@ class Racing(rest_scaling.RestScaling):
         the trials of every incumbent so far) times its level under the incumbent, slots independent."""
         key = ("opt_tau", incumbent, self._slots_of(opt), len(self.trials))
         if key not in self._cache:
-            taus = self._taus(incumbent)
-            self._cache[key] = math.sqrt(
-                sum((taus.get(s, 0.0) * self._slot_level(incumbent, s)) ** 2 for s in self._slots_of(opt))
-            )
+            taus, slots = self._taus(incumbent), self._slots_of(opt)
+            self._cache[key] = math.sqrt(sum((taus.get(s, 0.0) * self._slot_level(incumbent, s)) ** 2 for s in slots))
         return self._cache[key]
 
     def _taus(self, incumbent: TuningConfig) -> dict[str, float]:
+        """Per slot, the relative trial level (:func:`trial_effect.slot_taus`) over every incumbent's own trials."""
         key = ("taus", incumbent, len(self.trials))
         if key not in self._cache:
             norm, groups = self._rest_norm(incumbent), trial_effect.incumbent_runs(self.trials)
@@ -295,8 +294,9 @@ class Racing(rest_scaling.RestScaling):
             for k, r, _, _ in pairs:
                 rel.setdefault(k, []).append(r)
             shared = {k: statistics.median(v) if len(v) >= 3 else 0.0 for k, v in rel.items()}
-            diffs = [abs(d - shared[k] * level) / math.sqrt(2) for k, _, d, level in pairs]
-            self._cache[key] = 1.4826 * statistics.median(diffs) if diffs else 0.0
+            self._cache[key] = stats.sd_around_zero(
+                [(d - shared[k] * level) / math.sqrt(2) for k, _, d, level in pairs]
+            )
         return self._cache[key]
 
     def _trial_diffs(self, t: Trial) -> list[tuple[tuple[int, int], float, float, float]]:

@@ -16,6 +16,12 @@ def robust_sd(xs: Sequence[float]) -> float:
     return 1.4826 * statistics.median(abs(x - mid) for x in xs)
 
 
+def sd_around_zero(xs: Sequence[float]) -> float:
+    """1.4826 x the median absolute value: the standard deviation of normal samples that centre at zero (differences
+    of repeats), which a few wild ones do not decide (0.0 without samples)."""
+    return 1.4826 * statistics.median(abs(x) for x in xs) if xs else 0.0
+
+
 def pooled_sigma(groups: Sequence[Sequence[float]], positional: bool = False) -> float:
     """Step-to-step spread pooled over groups of repeats of the same thing, from the differences of consecutive
     samples within each group: ``(x[i+1] - x[i]) / sqrt(2)`` has the samples' spread whatever the group size (residuals
@@ -27,8 +33,7 @@ def pooled_sigma(groups: Sequence[Sequence[float]], positional: bool = False) ->
     slow) is not noise: the median relative difference at each position among the groups of one length (>= 3 of
     them) is taken out first."""
     if not positional:
-        diffs = [abs(b - a) / math.sqrt(2) for g in groups for a, b in zip(g, g[1:])]
-        return 1.4826 * statistics.median(diffs) if diffs else 0.0
+        return sd_around_zero([(b - a) / math.sqrt(2) for g in groups for a, b in zip(g, g[1:])])
     rel: dict[tuple[int, int], list[float]] = {}  # (group length, position) -> relative differences
     for g in groups:
         level = statistics.median(g) if g else 0.0
@@ -40,5 +45,5 @@ def pooled_sigma(groups: Sequence[Sequence[float]], positional: bool = False) ->
     for g in groups:
         level = statistics.median(g) if g else 0.0
         if level > 0:
-            diffs += [abs(b - a - shared[(len(g), i)] * level) / math.sqrt(2) for i, (a, b) in enumerate(zip(g, g[1:]))]
-    return 1.4826 * statistics.median(diffs) if diffs else 0.0
+            diffs += [(b - a - shared[(len(g), i)] * level) / math.sqrt(2) for i, (a, b) in enumerate(zip(g, g[1:]))]
+    return sd_around_zero(diffs)

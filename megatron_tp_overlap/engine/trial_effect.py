@@ -20,8 +20,9 @@ import statistics
 from collections.abc import Iterable
 from typing import Any
 
-MIN_DIFFS = 5  # consecutive incumbent trials, at least, before a slot's trial-level spread counts
-MAD_TO_SD = 1.4826
+from megatron_tp_overlap.engine import stats
+
+MIN_DIFFS = 5  # differences between consecutive incumbent trials, at least, before a slot's trial level counts
 # the differences' variance must be this many times what the steps' own spread gives: from ~10 differences a robust
 # variance is ~50% off, and a tau fitted to that alone (decision_sim iid and jitter, no trial level) held back true
 # options (worst seed 100 -> 78%)
@@ -49,18 +50,16 @@ def slot_taus(groups: Iterable[list[Any]], sigma: float, scaled=lambda t: t.slot
                     diffs.setdefault(s, []).append(((m[0] - prev[s][0]) / prev[s][0], prev[s][1], m[1]))
                 prev[s] = m
     units = [
-        r * r / (sigma * sigma * (1 / n0 + 1 / n1)) if sigma > 0 else math.inf
-        for d in diffs.values()
-        for r, n0, n1 in d
+        r / (sigma * math.sqrt(1 / n0 + 1 / n1)) if sigma > 0 else math.inf for d in diffs.values() for r, n0, n1 in d
     ]
-    if not units or MAD_TO_SD**2 * statistics.median(units) < POOLED_MIN:  # the median of squares: MAD^2
+    if not units or stats.sd_around_zero(units) ** 2 < POOLED_MIN:
         return dict.fromkeys(diffs, 0.0)
     out = {}
     for s, d in diffs.items():
         if len(d) < MIN_DIFFS:
             out[s] = 0.0
             continue
-        var = (MAD_TO_SD * statistics.median(abs(r) for r, _, _ in d)) ** 2
+        var = stats.sd_around_zero([r for r, _, _ in d]) ** 2
         steps = statistics.fmean(sigma * sigma * (1 / n0 + 1 / n1) for _, n0, n1 in d)
         out[s] = ((var - steps) / 2) ** 0.5 if var >= RATIO_MIN * steps else 0.0
     return out
