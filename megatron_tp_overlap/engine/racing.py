@@ -9,9 +9,8 @@ each GEMM before the rest), and after each round an option is *settled* when its
 standard errors) cannot beat the incumbent or the leader of its GEMM; the unsettled run again. The rounds end at the
 budget, when every option left has ``race_samples`` samples (equal options never separate), or early: when what the
 unsettled options could still add, summed over GEMMs, is below a gain worth a switch (``rel_floor`` of the step).
-Each GEMM's leader is then re-measured afresh (``recheck_steps``; again while inconclusive, ``RECHECKS`` looks at
-most) and only fresh samples accept it, so that the luckiest of many estimates (the winner's curse) does not decide;
-the final ABBA decision still guards the result.
+Each GEMM's leader is then re-measured afresh (engine/looks.py) and only fresh samples accept it, so that the
+luckiest of many estimates (the winner's curse) does not decide; the final ABBA decision still guards the result.
 """
 
 from __future__ import annotations
@@ -22,11 +21,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from megatron_tp_overlap.engine import brackets, rest_scaling, stats, trial_effect
+from megatron_tp_overlap.engine.looks import RECHECKS
 from megatron_tp_overlap.engine.space import Option, TuningConfig
 from megatron_tp_overlap.engine.trial import Trial, Work
 
 Raw = dict[Option, list[tuple[Trial, list[float]]]]
-RECHECKS = 3  # fresh looks at a GEMM's leader at most (the 2nd and 3rd only while inconclusive: search.py)
 
 
 @dataclass
@@ -206,17 +205,9 @@ class Racing(rest_scaling.RestScaling):
         for gemm in dict.fromkeys(x.gemm for x in race.unsettled):
             mine = sorted((x for x in race.unsettled if x.gemm == gemm), key=lambda x: statistics.median(screened[x]))
             rank.update({x: i for i, x in enumerate(mine)})
-        check = Work(2 * (1 + o.warmup_steps), 2) if self.verify else Work()
 
         def full() -> Work:
-            if decision() == Work():  # not priced yet
-                return Work()
-            b = self.block_steps
-            runoff = (o.select_passes - 1) * (min(o.runoff, contenders) + 1)
-            w = decision() + check + Work(runoff * (b + o.warmup_steps), runoff)
-            for _ in range(RECHECKS):
-                w = w + self.recheck_work()
-            return w
+            return self._kept(decision(), contenders, RECHECKS)
 
         first = [x for x in race.unsettled if rank[x] < o.keep]
         untried = self._measure_options(
@@ -350,32 +341,6 @@ class Racing(rest_scaling.RestScaling):
                 else ""
             )
         )
-
-    def _inconclusive(self, incumbent: TuningConfig, opt: Option, entries: list, raced: bool = False) -> bool:
-        """Whether ``entries`` put ``opt`` ahead of the incumbent but not beyond the noise (:meth:`_threshold`), or
-        behind within it where ``raced`` (the racing put it beyond the noise; one trial can share a slow level)."""
-        g, se, _ = self._gain_bounds(incumbent, opt, entries) or (0.0, 0.0, 0)
-        return 0 < g <= self._threshold(incumbent, opt, se) or raced and -self.opt.z * se < g <= 0
-
-    def _beyond_noise(self, incumbent: TuningConfig, opt: Option, entries: list[tuple[Trial, list[float]]]) -> bool:
-        b = self._gain_bounds(incumbent, opt, entries) if entries else None
-        return b is not None and b[0] - self.opt.z * b[1] > 0
-
-    def _threshold(self, incumbent: TuningConfig, opt: Option, se: float) -> float:
-        """The gain a re-checked leader must beat: z standard errors, and a gain worth a switch."""
-        return max(self.opt.z * se, self.opt.rel_floor * self._incumbent_level(incumbent, opt))
-
-    def recheck_work(self) -> Work:
-        """The fresh re-measurement of each GEMM's leader: a leading bracket, a trial per GEMM of the fullest
-        slot, and their brackets."""
-        if ("recheck_work",) not in self._cache:
-            self._cache[("recheck_work",)] = self._recheck_work()
-        return self._cache[("recheck_work",)]
-
-    def _recheck_work(self) -> Work:
-        per_slot = max((len(g) for g in self.topo.slots().values()), default=1)
-        trials = 1 + per_slot + math.ceil(per_slot / self.opt.bracket_every)
-        return Work(trials * (self.opt.recheck_steps + self.opt.warmup_steps), trials)
 
     def coverage(self, options: list[Option], race: Race, rechecked: set[Option]) -> dict[str, dict]:
         """Per slot: how many options it has, how many were screened and re-measured (and how often), which leaders

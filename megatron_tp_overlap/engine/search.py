@@ -22,7 +22,8 @@ from collections.abc import Callable
 from megatron_tp_overlap.engine import exhaustive
 from megatron_tp_overlap.engine.budget import Budget
 from megatron_tp_overlap.engine.decision import FinalDecision
-from megatron_tp_overlap.engine.racing import RECHECKS, Racing
+from megatron_tp_overlap.engine.looks import Looks
+from megatron_tp_overlap.engine.racing import Racing
 from megatron_tp_overlap.engine.space import Option, TuningConfig, apply, is_valid
 from megatron_tp_overlap.engine.stats import pooled_sigma  # noqa: F401 - imported from here by tests
 from megatron_tp_overlap.engine.topology import Topology
@@ -40,7 +41,7 @@ from megatron_tp_overlap.engine.trial import (  # noqa: F401
 from megatron_tp_overlap.ub.rules import ValidationContext
 
 
-class Searcher(Racing, FinalDecision, Budget):
+class Searcher(Racing, Looks, FinalDecision, Budget):
     def __init__(
         self,
         topo: Topology,
@@ -289,30 +290,7 @@ class Searcher(Racing, FinalDecision, Budget):
         if race.ended.startswith("[tp-overlap-autotune]"):
             self.log(race.ended)
         leaders = self._settle(incumbent, race)
-        # a leader picked among several re-measured options is re-checked afresh; one re-measured alone (what the
-        # budget allowed) was picked by screening, and its own samples are fresh
-        raced = {g: sum(x.gemm == g for x in race.raw) for g in leaders}
-        survivors = [opt for opt, gain, _ in leaders.values() if gain > 0 and raced[opt.gemm] > 1]
-        raw_fresh = {opt: race.raw[opt] for opt, gain, _ in leaders.values() if gain > 0 and raced[opt.gemm] == 1}
-        unhalved = self._measure_options("recheck", incumbent, survivors, o.recheck_steps, raw_fresh, decision_cost)
-        # a leader the re-check found ahead but within the noise is re-checked once more, and all its fresh samples
-        # decide: 8 steps cannot tell 2.5% of a 6 ms slot at 2% noise (decision_sim iid seed 43 left 22% of its gain);
-        # a third time where the racing rounds put it beyond the noise (locked seed 43: 0.127 +- 0.034 ms raced, 0.07
-        # in 16 fresh steps against 0.086 needed, for a true 0.148); with the trials' own level counted
-        # (``trial_noise``), a second where the racing put it beyond the noise but one fresh trial behind within it
-        # (real Command-R-like steps: fc1_dgrad, truly 0.23 ms faster, measured 0.18 ms slower and was left), and a
-        # third where its slots have a trial level (few fresh trials cannot tell then: decision_sim trial seed 149, a
-        # true 0.144 ms measured 0.164 against 0.181 in two; a third look everywhere named a hostbound false winner)
-        beyond = {x: self._beyond_noise(incumbent, x, race.raw.get(x, [])) for x in survivors}
-        for look in range(2, RECHECKS + 1):
-            again = [
-                x
-                for x in survivors
-                if x in raw_fresh
-                and self._inconclusive(incumbent, x, raw_fresh[x], beyond[x] and o.trial_noise)
-                and (look == 2 or beyond[x] or o.trial_noise and self._opt_tau(incumbent, x) > 0)
-            ]
-            unhalved += self._measure_options("recheck", incumbent, again, o.recheck_steps, raw_fresh, decision_cost)
+        survivors, raw_fresh, unhalved = self._look(incumbent, race, leaders, decision_cost, len(contenders) + 1)
         self._note_cut_short(len(options), unscreened, samples, race, survivors, unhalved)
         self.coverage_report = self.coverage(options, race, set(survivors) & set(raw_fresh))
         taus = self._taus(incumbent) if o.trial_noise else {}
