@@ -56,6 +56,9 @@ def test_a_leader_left_within_the_noise_after_three_looks_gets_more_with_what_th
     # trial level), four now
     assert before.looks["fc1_wgrad: bulk sm=32 cga=2"] == 2 and after.looks["fc1_wgrad: bulk sm=32 cga=2"] == 4
     assert after.searcher.cut_short is None and not after.searcher.budget_hit
+    # the report says what each fresh look measured: four trials of 8 steps, each with its own gain
+    choice = after.result.choices["fc1_wgrad"]
+    assert choice["accepted"] and choice["samples"] == 32 and len(choice["per_look_ms"]) == 4
 
 
 def test_later_looks_go_only_to_a_gain_worth_a_quarter_of_a_switch():

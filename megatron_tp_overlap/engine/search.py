@@ -316,6 +316,10 @@ class Searcher(Racing, Looks, FinalDecision, Budget):
                 "accepted": gain > thr,
                 "slot": ",".join(sorted(self._slots_of(best))),
                 "samples": len(fresh[best]),
+                # each fresh trial's own gain (ms): how far apart the looks were (a level each trial shares)
+                "per_look_ms": [
+                    round(-statistics.median(d), 4) for d, _ in self._relative_trials(incumbent, best, raw_fresh[best])
+                ],
             }
             best_of[gemm] = best, gain
         # 4. the accepted choices in one config, largest gain first: where two cannot go together (a
