@@ -2,6 +2,7 @@
 and a search's record is scored against the truth (a simulated run stands in for the real steps)."""
 
 import importlib.util
+import json
 import random
 import sys
 from pathlib import Path
@@ -203,3 +204,30 @@ def test_the_common_factor_study_tells_a_stretch_that_slows_the_whole_step_from_
     assert min(explained["hostbound"]) > 0.75, explained
     assert max(abs(e) for e in explained["iid"]) < 0.3, explained
     assert cf.line(s).startswith("[common_factor] 120 trials, rest of the step ")
+
+
+def test_the_bar_over_many_results_counts_seeds_per_dtype_and_says_what_is_not_met(tmp_path, capsys):
+    """``real_steps_bar.py``: runs from several files are grouped by dtype (from the Megatron arguments) and variant;
+    the worst seed, the false winners and the equal worlds that accepted a choice are counted, and the bar says which
+    of its parts do not hold."""
+    bar_path = PATH.parent / "real_steps_bar.py"
+    spec = importlib.util.spec_from_file_location("real_steps_bar", bar_path)
+    rb = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rb)
+
+    def run(seed, kind, realized=None, fw=False, accepted=(), seconds=50.0):
+        return {"seed": seed, "variant": "", "kind": kind, "realized": realized, "false_winner": fw,
+                "choices_accepted": list(accepted), "seconds": seconds}  # fmt: skip
+
+    bf16 = [run(1, "gain", 1.0), run(2, "equal", accepted=["fc1_fprop"]), run(3, "gain", 0.755, seconds=58.0)]
+    fp8 = [run(1, "gain", 1.0), run(2, "equal"), run(2, "equal", fw=True, accepted=["qkv_dgrad"], seconds=61.0)]
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "search_on_real_steps.json").write_text(json.dumps({"megatron_args": ["--bf16"], "runs": bf16}))
+    (tmp_path / "b.json").write_text(json.dumps({"megatron_args": ["--fp8-format", "hybrid"], "runs": fp8}))
+    rows = rb.bar(rb.load([str(tmp_path / "a"), str(tmp_path / "b.json")]), seeds=3, worst=0.8, budget_s=60.0)
+    (fp, bf) = rows
+    assert (bf["dtype"], bf["seeds"], bf["gains_in_full"], bf["worst_seed"]) == ("bf16", 3, 1, 3)
+    assert bf["equal_accepted"] == 1 and bf["why"] == ["worst 75.5% < 80%"]
+    assert (fp["dtype"], fp["seeds"], fp["searches"], fp["false_winners"], fp["equal"]) == ("FP8", 2, 3, 1, 2)
+    assert fp["why"] == ["2 seeds < 3", "1 false winner"]  # median 50 s of 60: within the budget
+    assert rb.main([str(tmp_path / "missing")]) == 2 and "no search_on_real_steps.json" in capsys.readouterr().err

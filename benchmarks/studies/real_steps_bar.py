@@ -1,0 +1,101 @@
+"""Issue 46's real-step bar over many ``search_on_real_steps.py`` results, per dtype and variant of the search.
+
+    python benchmarks/studies/real_steps_bar.py DIR_OR_JSON [...]
+
+Reads every ``search_on_real_steps.json`` under the paths given (one search per run; the same seed in two files
+counts as one seed searched twice) and prints, per dtype (bf16 / FP8, from the Megatron arguments) and variant: the
+seeds and searches, the gains taken in full, the worst realized share and its seed, the false winners among the equal
+worlds, the equal worlds that accepted a choice (each one a chance for the final decision to err), the seconds per
+search, and whether the bar holds: at least ``--seeds`` seeds, the worst seed at least ``--worst`` of its gain, no false
+winner, the median search within the budget.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+from megatron_tp_overlap.engine.options import TuneOptions
+
+
+def load(paths: list[str]) -> list[dict]:
+    """Every run of every ``search_on_real_steps.json`` under ``paths``, each with its dtype."""
+    files = [
+        f for p in map(Path, paths) for f in ([p] if p.is_file() else sorted(p.rglob("search_on_real_steps.json")))
+    ]
+    runs = []
+    for f in files:
+        d = json.loads(f.read_text())
+        dtype = "FP8" if "--fp8-format" in d.get("megatron_args", []) else "bf16"
+        runs += [{**r, "dtype": dtype, "file": str(f)} for r in d["runs"]]
+    return runs
+
+
+def bar(runs: list[dict], seeds: int, worst: float, budget_s: float) -> list[dict]:
+    """Per (dtype, variant): the figures of issue 46's bar and whether it holds (``why`` lists what does not)."""
+    rows = []
+    for key in sorted({(r["dtype"], r.get("variant") or "defaults") for r in runs}):
+        mine = [r for r in runs if (r["dtype"], r.get("variant") or "defaults") == key]
+        gains = [r for r in mine if r["kind"] == "gain" and r["realized"] is not None]
+        equal = [r for r in mine if r["kind"] == "equal"]
+        low = min(gains, key=lambda r: r["realized"], default=None)
+        secs = [r["seconds"] for r in mine]
+        row = {
+            "dtype": key[0],
+            "variant": key[1],
+            "seeds": len({r["seed"] for r in mine}),
+            "searches": len(mine),
+            "gains_in_full": sum(r["realized"] >= 0.999 for r in gains),
+            "gains": len(gains),
+            "worst": low["realized"] if low else None,
+            "worst_seed": low["seed"] if low else None,
+            "false_winners": sum(r["false_winner"] for r in equal),
+            "equal": len(equal),
+            "equal_accepted": sum(bool(r.get("choices_accepted")) for r in equal),
+            "seconds_median": statistics.median(secs),
+            "seconds_max": max(secs),
+        }
+        why = [f"{row['seeds']} seeds < {seeds}"] if row["seeds"] < seeds else []
+        why += [f"worst {100 * row['worst']:.1f}% < {100 * worst:.0f}%"] if low and row["worst"] < worst else []
+        n = row["false_winners"]
+        why += [f"{n} false winner{'s' * (n > 1)}"] if n else []
+        why += [f"median {row['seconds_median']:.1f} s > {budget_s:g} s"] if row["seconds_median"] > budget_s else []
+        rows.append({**row, "why": why})
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    out = [
+        "| dtype | variant | seeds (searches) | gains taken in full | realized, worst (seed) | false winners | "
+        "equal worlds with a choice accepted | s per search (median / max) | bar |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        worst = "-" if r["worst"] is None else f"{100 * r['worst']:.1f}% ({r['worst_seed']})"
+        out.append(
+            f"| {r['dtype']} | {r['variant']} | {r['seeds']} ({r['searches']}) | {r['gains_in_full']} of {r['gains']} | "
+            f"{worst} | {r['false_winners']} of {r['equal']} | {r['equal_accepted']} of {r['equal']} | "
+            f"{r['seconds_median']:.1f} / {r['seconds_max']:.1f} | {'; '.join(r['why']) or 'met'} |"
+        )
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("paths", nargs="+", help="result folders or search_on_real_steps.json files")
+    p.add_argument("--seeds", type=int, default=20, help="seeds per dtype the bar asks for")
+    p.add_argument("--worst", type=float, default=0.8, help="share of its gain the worst seed must realize")
+    a = p.parse_args(argv)
+    runs = load(a.paths)
+    if not runs:
+        print(f"no search_on_real_steps.json under {' '.join(a.paths)}", file=sys.stderr)
+        return 2
+    print(table(bar(runs, a.seeds, a.worst, TuneOptions.seconds)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
