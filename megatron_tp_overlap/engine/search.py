@@ -297,7 +297,8 @@ class Searcher(Racing, Looks, FinalDecision, Budget):
         for s, r in self.coverage_report.items():  # the share of the rest's slowdown taken out (engine/rest_scaling.py)
             r["rest_scaled_by"] = self._betas().get(s, 0.0)
             r["trial_level_pct"] = round(100 * taus.get(s, 0.0), 3)  # counted in the racing (engine/trial_effect.py)
-        fresh = {opt: v for opt, e in raw_fresh.items() if (v := self._relative(incumbent, opt, e))}
+        per_look = {opt: self._relative_trials(incumbent, opt, e) for opt, e in raw_fresh.items()}
+        fresh = {opt: v for opt, p in per_look.items() if (v := [x for diffs, _ in p for x in diffs])}
 
         # 3. per GEMM: the best survivor, kept if it beats the incumbent (at the same moment) beyond the noise.
         choices: dict[str, dict] = {}
@@ -317,9 +318,7 @@ class Searcher(Racing, Looks, FinalDecision, Budget):
                 "slot": ",".join(sorted(self._slots_of(best))),
                 "samples": len(fresh[best]),
                 # each fresh trial's own gain (ms): how far apart the looks were (a level each trial shares)
-                "per_look_ms": [
-                    round(-statistics.median(d), 4) for d, _ in self._relative_trials(incumbent, best, raw_fresh[best])
-                ],
+                "per_look_ms": [round(-statistics.median(d), 4) for d, _ in per_look[best] if d],
             }
             best_of[gemm] = best, gain
         # 4. the accepted choices in one config, largest gain first: where two cannot go together (a
