@@ -26,6 +26,18 @@ from megatron_tp_overlap.engine.space import Option, TuningConfig
 from megatron_tp_overlap.engine.trial import Trial, Work
 
 Raw = dict[Option, list[tuple[Trial, list[float]]]]
+# a slot's own step spread once it has this many step differences (``SearchOptions.slot_sigma``); fewer: the pooled one
+MIN_SLOT_PAIRS = 40
+
+
+def _positional_sd(pairs: list[tuple[tuple[int, int], float, float, float]]) -> float:
+    """:func:`stats.pooled_sigma` (positional) from ``(group length, position), relative difference, difference,
+    level`` per consecutive pair: the median relative difference at each position (>= 3 of them) taken out first."""
+    rel: dict[tuple[int, int], list[float]] = {}
+    for k, r, _, _ in pairs:
+        rel.setdefault(k, []).append(r)
+    shared = {k: statistics.median(v) if len(v) >= 3 else 0.0 for k, v in rel.items()}
+    return stats.sd_around_zero([(d - shared[k] * level) / math.sqrt(2) for k, _, d, level in pairs])
 
 
 @dataclass
@@ -103,14 +115,14 @@ class Racing(rest_scaling.RestScaling):
         return statistics.median(vals) if vals else 0.0
 
     def _opt_sigma(self, incumbent: TuningConfig, opt: Option) -> float:
-        """One step's spread of ``opt``'s slots (ms): the search's pooled relative spread times each slot's level
+        """One step's spread of ``opt``'s slots (ms): each slot's relative spread (:meth:`_sigma`) times its level
         under the incumbent, slots independent. Pooled in ms over slots of 3 and 6 ms, the spread of the larger slot
         was understated, and on equal simulated worlds 10% of the leaders re-checked beat the incumbent by 2 of
         these standard errors (2.3% expected): the false winners of issue 46."""
         key = ("opt_sigma", incumbent, self._slots_of(opt), len(self.trials))
         if key not in self._cache:
-            levels = [self._slot_level(incumbent, s) for s in self._slots_of(opt)]
-            self._cache[key] = self._sigma() * math.sqrt(sum(v * v for v in levels))
+            sds = [self._sigma(s) * self._slot_level(incumbent, s) for s in self._slots_of(opt)]
+            self._cache[key] = math.sqrt(sum(v * v for v in sds))
         return self._cache[key]
 
     def _opt_tau(self, incumbent: TuningConfig, opt: Option) -> float:
@@ -127,7 +139,7 @@ class Racing(rest_scaling.RestScaling):
         key = ("taus", incumbent, len(self.trials))
         if key not in self._cache:
             norm, groups = self._rest_norm(incumbent), trial_effect.incumbent_runs(self.trials)
-            self._cache[key] = trial_effect.slot_taus(groups, self._sigma(), lambda t: self._scaled(t, norm))
+            self._cache[key] = trial_effect.slot_taus(groups, self._sigma, lambda t: self._scaled(t, norm))
         return self._cache[key]
 
     def _slot_level(self, incumbent: TuningConfig, slot: str) -> float:
@@ -275,36 +287,38 @@ class Racing(rest_scaling.RestScaling):
     def _queue_key(self, x: Option, race: Race) -> tuple[int, float]:
         return sum(len(s) for _, s in race.raw.get(x, [])), statistics.median(race.screened[x])
 
-    def _sigma(self) -> float:
-        """The pooled relative spread of one step of a slot: :func:`stats.pooled_sigma` (positional) of every trial's
-        slot samples scaled to their median, each trial's differences computed once (every round pools them all)."""
+    def _sigma(self, slot: str | None = None) -> float:
+        """The relative spread of one step of ``slot`` (:func:`stats.pooled_sigma`, positional) over every trial's
+        samples of it scaled to their median; with ``slot_sigma`` each slot's own once it has ``MIN_SLOT_PAIRS``
+        step differences, else (and for ``slot=None``) pooled over the slots. Each trial's differences are computed
+        once (every round pools them all)."""
         key = ("sigma", len(self.trials))
         if key not in self._cache:
-            pairs = [p for t in self.trials for p in self._trial_diffs(t)]
-            rel: dict[tuple[int, int], list[float]] = {}
-            for k, r, _, _ in pairs:
-                rel.setdefault(k, []).append(r)
-            shared = {k: statistics.median(v) if len(v) >= 3 else 0.0 for k, v in rel.items()}
-            self._cache[key] = stats.sd_around_zero(
-                [(d - shared[k] * level) / math.sqrt(2) for k, _, d, level in pairs]
-            )
-        return self._cache[key]
+            per: dict[str, list[tuple[tuple[int, int], float, float, float]]] = {}
+            for t in self.trials:
+                for s, *pair in self._trial_diffs(t):
+                    per.setdefault(s, []).append(tuple(pair))
+            pooled = _positional_sd([p for v in per.values() for p in v])
+            own = {s: _positional_sd(v) for s, v in per.items() if len(v) >= MIN_SLOT_PAIRS and self.opt.slot_sigma}
+            self._cache[key] = pooled, own
+        pooled, own = self._cache[key]
+        return own.get(slot, pooled)
 
-    def _trial_diffs(self, t: Trial) -> list[tuple[tuple[int, int], float, float, float]]:
-        """Per consecutive pair of each slot's samples scaled to their median: (group length, position), relative
+    def _trial_diffs(self, t: Trial) -> list[tuple[str, tuple[int, int], float, float, float]]:
+        """Per consecutive pair of each slot's samples scaled to their median: slot, (group length, position), relative
         difference, difference, level (what :func:`stats.pooled_sigma` computes per group, in its arithmetic); with
         ``rest_norm``, of the samples as the racing scores them (engine/rest_scaling.py)."""
         betas = self._betas()
         key = ("diffs", t.index, tuple(sorted(betas.items())))
         if key not in self._cache:
             out = []
-            for v in rest_scaling.own_scaled(t, betas).values():
+            for s, v in rest_scaling.own_scaled(t, betas).items():
                 if not v or (m := statistics.median(v)) <= 0:
                     continue
                 g = [x / m for x in v]
                 level = statistics.median(g)
                 if level > 0:
-                    out += [((len(g), i), (b - a) / level, b - a, level) for i, (a, b) in enumerate(zip(g, g[1:]))]
+                    out += [(s, (len(g), i), (b - a) / level, b - a, level) for i, (a, b) in enumerate(zip(g, g[1:]))]
             self._cache[key] = out
         return self._cache[key]
 
