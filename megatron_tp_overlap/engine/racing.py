@@ -26,7 +26,7 @@ from megatron_tp_overlap.engine.space import Option, TuningConfig
 from megatron_tp_overlap.engine.trial import Trial, Work
 
 Raw = dict[Option, list[tuple[Trial, list[float]]]]
-# a slot's own step spread once it has this many step differences (``SearchOptions.slot_sigma``); fewer: the pooled one
+# a slot's own step spread (the report's) once it has this many step differences; fewer: the pooled one
 MIN_SLOT_PAIRS = 40
 
 
@@ -115,14 +115,14 @@ class Racing(rest_scaling.RestScaling):
         return statistics.median(vals) if vals else 0.0
 
     def _opt_sigma(self, incumbent: TuningConfig, opt: Option) -> float:
-        """One step's spread of ``opt``'s slots (ms): each slot's relative spread (:meth:`_sigma`) times its level
+        """One step's spread of ``opt``'s slots (ms): the search's pooled relative spread times each slot's level
         under the incumbent, slots independent. Pooled in ms over slots of 3 and 6 ms, the spread of the larger slot
         was understated, and on equal simulated worlds 10% of the leaders re-checked beat the incumbent by 2 of
         these standard errors (2.3% expected): the false winners of issue 46."""
         key = ("opt_sigma", incumbent, self._slots_of(opt), len(self.trials))
         if key not in self._cache:
-            sds = [self._sigma(s) * self._slot_level(incumbent, s) for s in self._slots_of(opt)]
-            self._cache[key] = math.sqrt(sum(v * v for v in sds))
+            levels = [self._slot_level(incumbent, s) for s in self._slots_of(opt)]
+            self._cache[key] = self._sigma() * math.sqrt(sum(v * v for v in levels))
         return self._cache[key]
 
     def _opt_tau(self, incumbent: TuningConfig, opt: Option) -> float:
@@ -139,7 +139,7 @@ class Racing(rest_scaling.RestScaling):
         key = ("taus", incumbent, len(self.trials))
         if key not in self._cache:
             norm, groups = self._rest_norm(incumbent), trial_effect.incumbent_runs(self.trials)
-            self._cache[key] = trial_effect.slot_taus(groups, self._sigma, lambda t: self._scaled(t, norm))
+            self._cache[key] = trial_effect.slot_taus(groups, self._sigma(), lambda t: self._scaled(t, norm))
         return self._cache[key]
 
     def _slot_level(self, incumbent: TuningConfig, slot: str) -> float:
@@ -288,10 +288,14 @@ class Racing(rest_scaling.RestScaling):
         return sum(len(s) for _, s in race.raw.get(x, [])), statistics.median(race.screened[x])
 
     def _sigma(self, slot: str | None = None) -> float:
-        """The relative spread of one step of ``slot`` (:func:`stats.pooled_sigma`, positional) over every trial's
-        samples of it scaled to their median; with ``slot_sigma`` each slot's own once it has ``MIN_SLOT_PAIRS``
-        step differences, else (and for ``slot=None``) pooled over the slots. Each trial's differences are computed
-        once (every round pools them all)."""
+        """The relative spread of one step of a slot (:func:`stats.pooled_sigma`, positional) over every trial's slot
+        samples scaled to their median, pooled over the slots (what the standard errors use); with ``slot``, that
+        slot's own once it has ``MIN_SLOT_PAIRS`` step differences (the report's ``step_spread_pct``). Each trial's
+        differences are computed once (every round pools them all).
+
+        Pooled, not per slot: on real Command-R- and Nemotron-like bf16 steps (H200) every slot's own spread was
+        0.9-1.5% but qkv.fwd's (2.1-3.5%), and standard errors from each slot's own left the two gains that the pooled
+        one left (17004, 17104) and named more choices in equal worlds (results/2026-11-26_h200x4b/)."""
         key = ("sigma", len(self.trials))
         if key not in self._cache:
             per: dict[str, list[tuple[tuple[int, int], float, float, float]]] = {}
@@ -299,10 +303,13 @@ class Racing(rest_scaling.RestScaling):
                 for s, *pair in self._trial_diffs(t):
                     per.setdefault(s, []).append(tuple(pair))
             pooled = _positional_sd([p for v in per.values() for p in v])
-            own = {s: _positional_sd(v) for s, v in per.items() if len(v) >= MIN_SLOT_PAIRS and self.opt.slot_sigma}
-            self._cache[key] = pooled, own
-        pooled, own = self._cache[key]
-        return own.get(slot, pooled)
+            self._cache[key] = pooled, per
+        pooled, per = self._cache[key]
+        if slot is None or len(per.get(slot, ())) < MIN_SLOT_PAIRS:
+            return pooled
+        if ("slot_sigma", slot, len(self.trials)) not in self._cache:
+            self._cache[("slot_sigma", slot, len(self.trials))] = _positional_sd(per[slot])
+        return self._cache[("slot_sigma", slot, len(self.trials))]
 
     def _trial_diffs(self, t: Trial) -> list[tuple[str, tuple[int, int], float, float, float]]:
         """Per consecutive pair of each slot's samples scaled to their median: slot, (group length, position), relative

@@ -113,10 +113,6 @@ class SearchOptions:
     # 1: the racing's standard errors add the level that a trial's steps share (engine/trial_effect.py): on real
     # dense steps 17 of 24 equal-world searches accepted a choice without it (simulated iid steps: 19 of 200)
     trial_noise: int = 1
-    # 1: a slot's standard errors use its own step-to-step spread (engine/racing.py), not one pooled over the slots:
-    # on real Command-R-like bf16 steps fc1.bwd's fresh looks scattered 0.4-0.6x the pooled spread's estimate, and
-    # its gains of 0.2-0.4 ms were left (17004, 17008, 17104)
-    slot_sigma: int = 1
     # 1: in a racing round a slot whose options all ran measures them again while the fullest slot's still run
     fill_slots: int = 1
     # fresh looks at a GEMM's leader at most: the first looks.RECHECKS are kept in the budget, later ones take its rest

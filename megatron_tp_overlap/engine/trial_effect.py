@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 from megatron_tp_overlap.engine import stats
@@ -33,12 +33,9 @@ RATIO_MIN = 3.0
 POOLED_MIN = 2.0
 
 
-def slot_taus(
-    groups: Iterable[list[Any]], sigma: float | Callable[[str], float], scaled=lambda t: t.slot_samples
-) -> dict[str, float]:
+def slot_taus(groups: Iterable[list[Any]], sigma: float, scaled=lambda t: t.slot_samples) -> dict[str, float]:
     """Per slot, the relative trial-level spread ``tau`` over ``groups`` (each one config's trials in time order,
-    of 2 measured steps or more; differences are taken within a group); ``sigma``: one step's relative spread (per
-    slot, where a function of the slot);
+    of 2 measured steps or more; differences are taken within a group); ``sigma``: one step's relative spread;
     ``scaled(t)``: the samples as the racing scores them. A robust estimate (median absolute consecutive difference);
     0 where the steps' own spread explains it or fewer than ``MIN_DIFFS`` differences exist."""
     diffs: dict[str, list[tuple[float, int, int]]] = {}
@@ -52,9 +49,8 @@ def slot_taus(
                 if s in prev and prev[s][0] > 0:
                     diffs.setdefault(s, []).append(((m[0] - prev[s][0]) / prev[s][0], prev[s][1], m[1]))
                 prev[s] = m
-    sd = {s: sigma(s) if callable(sigma) else sigma for s in diffs}
     units = [
-        r / (sd[s] * math.sqrt(1 / n0 + 1 / n1)) if sd[s] > 0 else math.inf for s, d in diffs.items() for r, n0, n1 in d
+        r / (sigma * math.sqrt(1 / n0 + 1 / n1)) if sigma > 0 else math.inf for d in diffs.values() for r, n0, n1 in d
     ]
     if not units or stats.sd_around_zero(units) ** 2 < POOLED_MIN:
         return dict.fromkeys(diffs, 0.0)
@@ -64,7 +60,7 @@ def slot_taus(
             out[s] = 0.0
             continue
         var = stats.sd_around_zero([r for r, _, _ in d]) ** 2
-        steps = statistics.fmean(sd[s] ** 2 * (1 / n0 + 1 / n1) for _, n0, n1 in d)
+        steps = statistics.fmean(sigma * sigma * (1 / n0 + 1 / n1) for _, n0, n1 in d)
         out[s] = ((var - steps) / 2) ** 0.5 if var >= RATIO_MIN * steps else 0.0
     return out
 
