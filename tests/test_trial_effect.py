@@ -93,6 +93,23 @@ def test_the_report_says_per_slot_which_trial_level_the_racing_counted():
     assert set(levels["iid"].values()) == {0.0}, levels
 
 
+def test_decision_sims_trial_wide_is_sized_and_spread_as_the_real_command_r_like_steps_were():
+    """``trial_wide`` (results/2026-11-26_h200x4b/): fc1.bwd ~24% of a 100 ms step, each slot's relative step spread
+    as the search's own report measures it within 20% of the real reports' medians (qkv.fwd 3.0%, the rest 1.1-1.3%)."""
+    from megatron_tp_overlap.engine.report import build_report
+
+    space = build_space(sim.TOPO, sim.CTX, [UbConfig()])
+    ref = TuningConfig(UbConfig(), frozenset(), "reference")
+    rng = random.Random(5000)
+    run = sim.SimulatedRun(sim.make_world(space, 0.0, rng), "trial_wide", rng)
+    res = Searcher(sim.TOPO, space, run, sim.CTX).run(ref, {"no overlap": all_off(sim.TOPO, ref)})
+    base = next(t for t in res.trials if t.phase == "baseline")
+    assert 23.0 < statistics.median(base.slot_samples["fc1.bwd"]) < 24.0
+    assert 98.0 < statistics.median(base.step_samples) < 102.0
+    spread = {s: r["step_spread_pct"] for s, r in build_report(res, sim.TOPO, {})["search"]["per_slot"].items()}
+    assert 2.4 < spread.pop("qkv.fwd") < 3.6 and all(0.8 < v < 1.5 for v in spread.values()), spread
+
+
 @pytest.mark.parametrize("seed, alone", [(43, 0.78), (176, 0.709)])
 def test_a_slot_left_free_in_a_racing_round_races_its_options_again_and_takes_the_gain_it_left(seed, alone):
     """decision_sim iid on the clock of real Command-R-like trials (0.082 s per step, 0.2 s per switch): a round takes

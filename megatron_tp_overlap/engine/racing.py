@@ -293,9 +293,10 @@ class Racing(rest_scaling.RestScaling):
         slot's own once it has ``MIN_SLOT_PAIRS`` step differences (the report's ``step_spread_pct``). Each trial's
         differences are computed once (every round pools them all).
 
-        Pooled, not per slot: on real Command-R- and Nemotron-like bf16 steps (H200) every slot's own spread was
-        0.9-1.5% but qkv.fwd's (2.1-3.5%), and standard errors from each slot's own left the two gains that the pooled
-        one left (17004, 17104) and named more choices in equal worlds (results/2026-11-26_h200x4b/)."""
+        Pooled, not per slot: on real Command-R- and Nemotron-like steps (H200) the slots' own spreads differ (median
+        1.1-2.1% in bf16, qkv.fwd 2.1-3.0%; 0.4-1.3% in FP8, qkv.fwd 4.1%), but on 34 bf16 searches standard errors
+        from each slot's own left the same gains the pooled one leaves (17004, 17104), and on decision_sim they moved
+        a hostbound seed's final decision to undecided (seed 31: 100 -> 0%); results/2026-11-26_h200x4b/."""
         key = ("sigma", len(self.trials))
         if key not in self._cache:
             per: dict[str, list[tuple[tuple[int, int], float, float, float]]] = {}

@@ -45,10 +45,18 @@ GEMM_MS = 3.0  # each of the 12 GEMMs (+ its communication) under the reference:
 OFF_MS = 4.5  # a GEMM with overlap off
 SLOT_NOISE = 0.005  # relative GPU noise per slot and step
 DISTURBED_STEPS = 400  # the steps the disturbances are laid over (jump: its middle third), where searches run (140-200)
-SCENARIOS = ("iid", "ramp", "jump", "periodic", "position", "jitter", "power", "locked", "hostbound", "trial")
+SCENARIOS = (
+    "iid", "ramp", "jump", "periodic", "position", "jitter", "power", "locked", "hostbound", "trial", "trial_wide"
+)  # fmt: skip
 # "trial": each trial's slots sit apart from the last trial's, alike for its steps (host work, clocks after a gap), the
 # forwards more: what real dense steps showed (results/2026-11-26_h200x2b/: 17 of 24 equal worlds accepted a choice)
-TRIAL_SD = {"fwd": 0.015, "bwd": 0.005}
+TRIAL_SD = {s: {"fwd": 0.015, "bwd": 0.005}[s[-3:]] for s in SLOTS}
+# "trial_wide": real Command-R-like bf16 steps (results/2026-11-26_h200x4b/): slots sized as there (fc1.bwd ~24% of
+# the step; the extra ms per slot come out of the step's rest, so a config's gain stays in ms), each slot's relative
+# spread per step (1.1-1.3%, qkv.fwd 3%) and per trial (0.7%, qkv.fwd 2.5%); per slot: (extra ms, step, trial)
+WIDE = {"qkv.fwd": (0.0, 0.03, 0.025), "fc1.fwd": (8.8, 0.0125, 0.007), "fc1.bwd": (17.5, 0.011, 0.007)}
+WIDE |= {"fc2.fwd": (2.8, 0.012, 0.007), "fc2.bwd": (5.8, 0.011, 0.007)}
+WIDE |= {s: (0.0, 0.012, 0.007) for s in ("qkv.bwd", "proj.fwd", "proj.bwd")}
 
 
 @dataclass
@@ -120,7 +128,7 @@ def disturbance(
         if scenario == "locked":  # the same oscillation restarting in phase after every switch's idle gap, 1.3% noise
             # (real Megatron-LM iterations on H200: the 3rd-4th step after a switch ~3% slower than the 1st-2nd)
             return 1 + 0.017 * math.sin(2 * math.pi * (since - 1.5) / 4), 0.0, 0.013
-        if scenario != "trial":  # "trial": SLOT_NOISE per step; the trials' own levels are SimulatedRun's
+        if scenario not in ("trial", "trial_wide"):  # their trials' own levels (and trial_wide's noise): SimulatedRun's
             raise ValueError(f"unknown scenario {scenario!r}")
         return 1.0, 0.0, SLOT_NOISE
 
@@ -136,7 +144,8 @@ class SimulatedRun:
         self.costs: dict[TuningConfig, dict[str, float]] = {}
         phase = rng.uniform(0, 2 * math.pi) if scenario == "power" else 0.0  # where in its period the run starts
         self.disturb = disturbance(scenario, span_steps, phase)
-        self.trial_effect = scenario == "trial"
+        self.wide = WIDE if scenario == "trial_wide" else {}
+        self.trial_sd = {"trial": TRIAL_SD, "trial_wide": {s: v[2] for s, v in WIDE.items()}}.get(scenario)
 
     def __call__(self, config: TuningConfig, steps: int, warmup: int) -> Measurement:
         if config != self.live:
@@ -144,20 +153,22 @@ class SimulatedRun:
         self.i += warmup
         self.since += warmup
         if config not in self.costs:  # the true ms per slot (the search's many trials repeat configs)
-            self.costs[config] = {s: sum(self.world.gemm_ms(g, config) for g in gs) for s, gs in SLOTS.items()}
+            ms = {s: sum(self.world.gemm_ms(g, config) for g in gs) for s, gs in SLOTS.items()}
+            self.costs[config] = {s: v + (self.wide[s][0] if self.wide else 0.0) for s, v in ms.items()}
         cost = self.costs[config]
-        if self.trial_effect:  # this trial's own level per slot (scenario "trial")
-            cost = {s: v * (1 + self.rng.gauss(0, TRIAL_SD[s[-3:]])) for s, v in cost.items()}
+        if self.trial_sd:  # this trial's own level per slot (scenarios "trial", "trial_wide")
+            cost = {s: v * (1 + self.rng.gauss(0, self.trial_sd[s])) for s, v in cost.items()}
         slots: dict[str, list[float]] = {s: [] for s in SLOTS}
         step_ms = []
         for _ in range(steps):
             factor, host, noise = self.disturb(self.i, self.since, self.rng)
             total = 0.0
             for s in SLOTS:
-                v = factor * cost[s] * (1 + self.rng.gauss(0, noise))
+                v = factor * cost[s] * (1 + self.rng.gauss(0, self.wide[s][1] if self.wide else noise))
                 slots[s].append(v)
                 total += v
-            step_ms.append(total + factor * (STEP_MS - 12 * GEMM_MS) + host + self.rng.gauss(0, 0.002 * STEP_MS))
+            rest = STEP_MS - 12 * GEMM_MS - sum(v[0] for v in self.wide.values())
+            step_ms.append(total + factor * rest + host + self.rng.gauss(0, 0.002 * STEP_MS))
             self.i += 1
             self.since += 1
         return Measurement(slots, step_ms, 0.1 * self.i, steps + warmup)
@@ -341,11 +352,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seeds", type=int, default=200)
     p.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
     p.add_argument("--vs-exhaustive", action="store_true", help="also the slot-exhaustive search on the gain seeds")
-    p.add_argument(
-        "--preset",
-        action="store_true",
-        help="2-3 faster options per world and a preset-like contender between the reference and the best",
-    )
+    preset = "2-3 faster options per world and a preset-like contender between the reference and the best"
+    p.add_argument("--preset", action="store_true", help=preset)
     p.add_argument(
         "--clock",
         nargs=3,
@@ -354,18 +362,10 @@ def main(argv: list[str] | None = None) -> None:
         help="seconds per step, per switch and of the search's work per trial (default: 0.1 per step, nothing else), "
         "e.g. 0.14 0.3 0.05: the Qwen3-MoE-like steps on one H100",
     )
-    p.add_argument(
-        "--verify",
-        choices=["locked", "free"],
-        help="let the in-run verification (verify_sim, this iteration noise) decide each config the search hands on",
-    )
-    p.add_argument(
-        "--set",
-        nargs="+",
-        default=[],
-        metavar="KEY=VALUE",
-        help="search options other than the defaults, e.g. --set screen_steps=2 keep=2 bracket_every=3",
-    )
+    verify = "let the in-run verification (verify_sim, this iteration noise) decide each config the search hands on"
+    p.add_argument("--verify", choices=["locked", "free"], help=verify)
+    kv = "search options other than the defaults, e.g. --set screen_steps=2 keep=2 bracket_every=3"
+    p.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help=kv)
     a = p.parse_args(argv)
     try:
         options = SearchOptions(**{k: float(v) if "." in v else int(v) for k, v in (kv.split("=", 1) for kv in a.set)})
