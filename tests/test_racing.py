@@ -188,7 +188,7 @@ def test_the_rest_scaling_follows_each_slot_alone():
 
 def test_the_report_gives_each_slots_own_step_spread_and_the_standard_errors_keep_the_pooled_one():
     """``per_slot.step_spread_pct``: one step's relative spread of each slot on its own (real bf16 steps: qkv.fwd
-    2-3.5%, the rest 0.9-1.5%). Here every slot has 1% but the forward of qkv, 4%: the report says so, and the
+    2-3%, the rest 1-2%). Here every slot has 1% but the forward of qkv, 4%: the report says so, and the
     racing's standard errors still use the spread pooled over the slots."""
     topo, space, ref, base = setup()
 

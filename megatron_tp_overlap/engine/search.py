@@ -297,7 +297,7 @@ class Searcher(Racing, Looks, FinalDecision, Budget):
         for s, r in self.coverage_report.items():  # the share of the rest's slowdown taken out (engine/rest_scaling.py)
             r["rest_scaled_by"] = self._betas().get(s, 0.0)
             r["trial_level_pct"] = round(100 * taus.get(s, 0.0), 3)  # counted in the racing (engine/trial_effect.py)
-            r["step_spread_pct"] = round(100 * self._sigma(s), 3)  # one step's, relative (SearchOptions.slot_sigma)
+            r["step_spread_pct"] = round(100 * self._sigma(s), 3)  # the slot's own; the standard errors pool them
         per_look = {opt: self._relative_trials(incumbent, opt, e) for opt, e in raw_fresh.items()}
         fresh = {opt: v for opt, p in per_look.items() if (v := [x for diffs, _ in p for x in diffs])}
 

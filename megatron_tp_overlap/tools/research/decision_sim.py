@@ -352,8 +352,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seeds", type=int, default=200)
     p.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
     p.add_argument("--vs-exhaustive", action="store_true", help="also the slot-exhaustive search on the gain seeds")
-    preset = "2-3 faster options per world and a preset-like contender between the reference and the best"
-    p.add_argument("--preset", action="store_true", help=preset)
+    preset_help = "2-3 faster options per world and a preset-like contender between the reference and the best"
+    p.add_argument("--preset", action="store_true", help=preset_help)
     p.add_argument(
         "--clock",
         nargs=3,
@@ -362,10 +362,10 @@ def main(argv: list[str] | None = None) -> None:
         help="seconds per step, per switch and of the search's work per trial (default: 0.1 per step, nothing else), "
         "e.g. 0.14 0.3 0.05: the Qwen3-MoE-like steps on one H100",
     )
-    verify = "let the in-run verification (verify_sim, this iteration noise) decide each config the search hands on"
-    p.add_argument("--verify", choices=["locked", "free"], help=verify)
-    kv = "search options other than the defaults, e.g. --set screen_steps=2 keep=2 bracket_every=3"
-    p.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help=kv)
+    verify_help = "the in-run verification (verify_sim, this iteration noise) decides each config the search hands on"
+    p.add_argument("--verify", choices=["locked", "free"], help=verify_help)
+    set_help = "search options other than the defaults, e.g. --set screen_steps=2 keep=2 bracket_every=3"
+    p.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help=set_help)
     a = p.parse_args(argv)
     try:
         options = SearchOptions(**{k: float(v) if "." in v else int(v) for k, v in (kv.split("=", 1) for kv in a.set)})
