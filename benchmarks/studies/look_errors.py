@@ -1,0 +1,61 @@
+"""Are the fresh looks' standard errors right? Each look's error against the true gain, on decision_sim.
+
+On real steps a leader's fresh looks scattered 0.67-0.88x the per-look standard error their threshold implies
+(results/2026-11-26_h200x4b/), against 0.83-0.89 for independent looks: were the standard errors wide? Their scatter
+cannot say, since a leader's looks share errors (the incumbent's brackets around them). decision_sim knows each
+option's true gain, so here each look's error is measured against it: per look ``z = (look - true gain) / se``, with
+``se`` the per-look standard error the GEMM's threshold implies (``noise_ms / z_opt * sqrt(looks)``), over every
+leader of ``--seeds`` gain and as many equal worlds. ``median |z| / 0.6745`` is 1.0 when the standard errors are exact.
+
+    python benchmarks/studies/look_errors.py --scenario trial_wide --seeds 60
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import statistics
+from multiprocessing import Pool
+
+from megatron_tp_overlap.engine.search import Searcher, SearchOptions
+from megatron_tp_overlap.engine.space import TuningConfig, UbConfig, all_off, build_space
+from megatron_tp_overlap.tools.research import decision_sim as sim
+
+
+def look_errors(scenario: str, seed: int) -> list[tuple[str, float]]:
+    """(slot, z) per fresh look of every leader, in the gain world and the equal world of ``seed``."""
+    out = []
+    for equal in (False, True):
+        gain = 0.0 if equal else random.Random(seed).uniform(0.005, 0.05)
+        rng = random.Random((5000 if equal else 1000) + seed)  # decision_sim's seeds
+        space = build_space(sim.TOPO, sim.CTX, [UbConfig()])
+        world = sim.make_world(space, gain, rng)
+        ref = TuningConfig(UbConfig(), frozenset(), "reference")
+        run = sim.SimulatedRun(world, scenario, rng)
+        res = Searcher(sim.TOPO, space, run, sim.CTX).run(ref, {"no overlap": all_off(sim.TOPO, ref)})
+        for gemm, c in res.choices.items():
+            true = sim.GEMM_MS - world.fast.get((gemm, c["option"]), sim.GEMM_MS)
+            se = c["noise_ms"] / SearchOptions.z * math.sqrt(len(c["per_look_ms"]))
+            out += [(c["slot"], (v - true) / se) for v in c["per_look_ms"]]
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--scenario", default="trial_wide", choices=sim.SCENARIOS)
+    p.add_argument("--seeds", type=int, default=60)
+    a = p.parse_args()
+    with Pool(2) as pool:
+        rows = [r for out in pool.starmap(look_errors, [(a.scenario, s) for s in range(a.seeds)]) for r in out]
+    by: dict[str, list[float]] = {}
+    for slot, z in rows:
+        by.setdefault(slot, []).append(z)
+    print(f"| {a.scenario}: slot | looks | median abs z / 0.6745 (1.0: exact) | mean z |")
+    print("|---|---|---|---|")
+    for slot, zs in sorted(by.items()) + [("all", [z for _, z in rows])]:
+        print(f"| {slot} | {len(zs)} | {statistics.median(map(abs, zs)) / 0.6745:.2f} | {statistics.mean(zs):+.2f} |")
+
+
+if __name__ == "__main__":
+    main()
