@@ -13,31 +13,20 @@ leader of ``--seeds`` gain and as many equal worlds. ``median |z| / 0.6745`` is 
 from __future__ import annotations
 
 import argparse
-import math
-import random
 import statistics
 from multiprocessing import Pool
 
-from megatron_tp_overlap.engine.search import Searcher, SearchOptions
-from megatron_tp_overlap.engine.space import TuningConfig, UbConfig, all_off, build_space
+from megatron_tp_overlap.engine.search import SearchOptions
 from megatron_tp_overlap.tools.research import decision_sim as sim
 
 
 def look_errors(scenario: str, seed: int) -> list[tuple[str, float]]:
-    """(slot, z) per fresh look of every leader, in the gain world and the equal world of ``seed``."""
+    """(slot, z) per fresh look of every leader, in the gain world and the equal world of table seed ``seed``."""
     out = []
-    for equal in (False, True):
-        gain = 0.0 if equal else random.Random(seed).uniform(0.005, 0.05)
-        rng = random.Random((5000 if equal else 1000) + seed)  # decision_sim's seeds
-        space = build_space(sim.TOPO, sim.CTX, [UbConfig()])
-        world = sim.make_world(space, gain, rng)
-        ref = TuningConfig(UbConfig(), frozenset(), "reference")
-        run = sim.SimulatedRun(world, scenario, rng)
-        res = Searcher(sim.TOPO, space, run, sim.CTX).run(ref, {"no overlap": all_off(sim.TOPO, ref)})
-        for gemm, c in res.choices.items():
-            true = sim.GEMM_MS - world.fast.get((gemm, c["option"]), sim.GEMM_MS)
-            se = c["noise_ms"] / SearchOptions.z * math.sqrt(len(c["per_look_ms"]))
-            out += [(c["slot"], (v - true) / se) for v in c["per_look_ms"]]
+    for gain, world_seed in ((sim.seed_gain(seed), sim.GAIN_SEED + seed), (0.0, sim.EQUAL_SEED + seed)):
+        for c in sim.run_once(scenario, gain, world_seed).choices.values():
+            se = c["noise_ms"] / SearchOptions.z * len(c["per_look_ms"]) ** 0.5
+            out += [(c["slot"], (v - c["true_ms"]) / se) for v in c["per_look_ms"]]
     return out
 
 

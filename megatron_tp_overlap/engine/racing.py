@@ -30,16 +30,6 @@ Raw = dict[Option, list[tuple[Trial, list[float]]]]
 MIN_SLOT_PAIRS = 40
 
 
-def _positional_sd(pairs: list[tuple[tuple[int, int], float, float, float]]) -> float:
-    """:func:`stats.pooled_sigma` (positional) from ``(group length, position), relative difference, difference,
-    level`` per consecutive pair: the median relative difference at each position (>= 3 of them) taken out first."""
-    rel: dict[tuple[int, int], list[float]] = {}
-    for k, r, _, _ in pairs:
-        rel.setdefault(k, []).append(r)
-    shared = {k: statistics.median(v) if len(v) >= 3 else 0.0 for k, v in rel.items()}
-    return stats.sd_around_zero([(d - shared[k] * level) / math.sqrt(2) for k, _, d, level in pairs])
-
-
 @dataclass
 class Race:
     """What the racing rounds know and left: per option its relative samples (ms, negative: faster than the
@@ -303,13 +293,13 @@ class Racing(rest_scaling.RestScaling):
             for t in self.trials:
                 for s, *pair in self._trial_diffs(t):
                     per.setdefault(s, []).append(tuple(pair))
-            pooled = _positional_sd([p for v in per.values() for p in v])
+            pooled = stats.positional_sd([p for v in per.values() for p in v])
             self._cache[key] = pooled, per
         pooled, per = self._cache[key]
         if slot is None or len(per.get(slot, ())) < MIN_SLOT_PAIRS:
             return pooled
         if ("slot_sigma", slot, len(self.trials)) not in self._cache:
-            self._cache[("slot_sigma", slot, len(self.trials))] = _positional_sd(per[slot])
+            self._cache[("slot_sigma", slot, len(self.trials))] = stats.positional_sd(per[slot])
         return self._cache[("slot_sigma", slot, len(self.trials))]
 
     def _trial_diffs(self, t: Trial) -> list[tuple[str, tuple[int, int], float, float, float]]:

@@ -34,16 +34,19 @@ def pooled_sigma(groups: Sequence[Sequence[float]], positional: bool = False) ->
     them) is taken out first."""
     if not positional:
         return sd_around_zero([(b - a) / math.sqrt(2) for g in groups for a, b in zip(g, g[1:])])
-    rel: dict[tuple[int, int], list[float]] = {}  # (group length, position) -> relative differences
+    pairs = []  # ((group length, position), relative difference, difference, level)
     for g in groups:
         level = statistics.median(g) if g else 0.0
         if level > 0:
-            for i, (a, b) in enumerate(zip(g, g[1:])):
-                rel.setdefault((len(g), i), []).append((b - a) / level)
+            pairs += [((len(g), i), (b - a) / level, b - a, level) for i, (a, b) in enumerate(zip(g, g[1:]))]
+    return positional_sd(pairs)
+
+
+def positional_sd(pairs: Sequence[tuple[tuple[int, int], float, float, float]]) -> float:
+    """:func:`pooled_sigma` (positional) from its consecutive pairs ``((group length, position), relative difference,
+    difference, level)``: the median relative difference at each position (>= 3 of them) is taken out first."""
+    rel: dict[tuple[int, int], list[float]] = {}
+    for k, r, _, _ in pairs:
+        rel.setdefault(k, []).append(r)
     shared = {k: statistics.median(v) if len(v) >= 3 else 0.0 for k, v in rel.items()}
-    diffs = []
-    for g in groups:
-        level = statistics.median(g) if g else 0.0
-        if level > 0:
-            diffs += [(b - a - shared[(len(g), i)] * level) / math.sqrt(2) for i, (a, b) in enumerate(zip(g, g[1:]))]
-    return sd_around_zero(diffs)
+    return sd_around_zero([(d - shared[k] * level) / math.sqrt(2) for k, _, d, level in pairs])

@@ -214,6 +214,7 @@ class Outcome:
     handed_on: float = math.nan
     handed: bool = False  # a config was handed on (in equal worlds too: the verification must then send it back)
     handed_gain_pct: float = 0.0  # its true gain, % of a step (0 in equal worlds)
+    choices: dict = dataclasses.field(default_factory=dict)  # SearchResult.choices, each with its "true_ms" gain
 
 
 def best_config(world: World, space: dict[str, list[Option]], ref: TuningConfig) -> TuningConfig:
@@ -244,6 +245,13 @@ def preset_of(world: World, space: dict[str, list[Option]], ref: TuningConfig) -
     return TuningConfig(c.ub, c.disabled, "preset") if is_valid(c, CTX) and c != ref else None
 
 
+GAIN_SEED, EQUAL_SEED = 1000, 5000  # table seed s: the worlds GAIN_SEED + s (gain seed_gain(s)) and EQUAL_SEED + s
+
+
+def seed_gain(s: int) -> float:  # table seed s: its world's gain, a fraction of the step (0.5-5%)
+    return random.Random(s).uniform(0.005, 0.05)
+
+
 def run_once(
     scenario: str,
     gain: float,
@@ -267,11 +275,8 @@ def run_once(
     if preset and (p := preset_of(world, space, ref)) is not None:
         baselines["preset"] = p
     res = Searcher(TOPO, space, run, CTX, options).run(ref, baselines)
-    ref_ms, chosen_ms, best_ms = (
-        world.step_ms(ref),
-        world.step_ms(res.best),
-        world.step_ms(best_config(world, space, ref)),
-    )
+    ref_ms, chosen_ms = world.step_ms(ref), world.step_ms(res.best)
+    best_ms = world.step_ms(best_config(world, space, ref))
     realized = (ref_ms - chosen_ms) / (ref_ms - best_ms) if ref_ms > best_ms else math.nan
     u = res.undecided if res.best_name == "reference" else None
     handed = (ref_ms - world.step_ms(u)) / (ref_ms - best_ms) if u is not None and ref_ms > best_ms else math.nan
@@ -285,6 +290,7 @@ def run_once(
         handed,
         u is not None,
         100 * (1 - world.step_ms(u) / ref_ms) if u is not None else 0.0,
+        {g: c | {"true_ms": GEMM_MS - world.fast.get((g, c["option"]), GEMM_MS)} for g, c in res.choices.items()},
     )
 
 
@@ -316,12 +322,12 @@ def evaluate_rule(
     1%) and its steps over the exhaustive search's (median). ``preset``: see :func:`run_once`."""
     out = {}
     for sc in scenarios:
-        gain_of = [random.Random(s).uniform(0.005, 0.05) for s in range(seeds)]
-        gains = [run_once(sc, gain_of[s], 1000 + s, options, preset, clock) for s in range(seeds)]
-        equal = [run_once(sc, 0.0, 5000 + s, options, preset, clock) for s in range(seeds)]
+        gain_of = [seed_gain(s) for s in range(seeds)]
+        gains = [run_once(sc, gain_of[s], GAIN_SEED + s, options, preset, clock) for s in range(seeds)]
+        equal = [run_once(sc, 0.0, EQUAL_SEED + s, options, preset, clock) for s in range(seeds)]
         if verify:  # the run's in-run verification decides each handed-on config (tools/research/verify_sim.py)
-            gains = [_verified(o, 1000 + s, verify) for s, o in enumerate(gains)]
-            equal = [_verified(o, 5000 + s, verify) for s, o in enumerate(equal)]
+            gains = [_verified(o, GAIN_SEED + s, verify) for s, o in enumerate(gains)]
+            equal = [_verified(o, EQUAL_SEED + s, verify) for s, o in enumerate(equal)]
         out[sc] = {
             "realized_mean": statistics.mean(o.realized for o in gains),
             "realized_min": min(o.realized for o in gains),
@@ -336,7 +342,7 @@ def evaluate_rule(
             "budget_s": (options or SearchOptions()).max_seconds,
         }
         if vs_exhaustive:
-            ex = [run_once(sc, gain_of[s], 1000 + s, BENCHMARK_EXHAUSTIVE, preset) for s in range(seeds)]
+            ex = [run_once(sc, gain_of[s], GAIN_SEED + s, BENCHMARK_EXHAUSTIVE, preset) for s in range(seeds)]
             gap = [100 * (o.chosen_ms / e.chosen_ms - 1) for o, e in zip(gains, ex)]
             out[sc] |= {
                 "vs_exhaustive_mean_pct": statistics.mean(gap),
@@ -354,14 +360,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--vs-exhaustive", action="store_true", help="also the slot-exhaustive search on the gain seeds")
     preset_help = "2-3 faster options per world and a preset-like contender between the reference and the best"
     p.add_argument("--preset", action="store_true", help=preset_help)
-    p.add_argument(
-        "--clock",
-        nargs=3,
-        type=float,
-        metavar=("STEP_S", "SWITCH_S", "OUTSIDE_S"),
-        help="seconds per step, per switch and of the search's work per trial (default: 0.1 per step, nothing else), "
-        "e.g. 0.14 0.3 0.05: the Qwen3-MoE-like steps on one H100",
-    )
+    clock_help = "seconds per step, per switch and of the search's work per trial (default: 0.1 per step, nothing "
+    clock_help += "else), e.g. 0.14 0.3 0.05: the Qwen3-MoE-like steps on one H100"
+    p.add_argument("--clock", nargs=3, type=float, metavar=("STEP_S", "SWITCH_S", "OUTSIDE_S"), help=clock_help)
     verify_help = "the in-run verification (verify_sim, this iteration noise) decides each config the search hands on"
     p.add_argument("--verify", choices=["locked", "free"], help=verify_help)
     set_help = "search options other than the defaults, e.g. --set screen_steps=2 keep=2 bracket_every=3"
