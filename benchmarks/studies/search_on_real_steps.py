@@ -320,6 +320,7 @@ def inner(
     preset: bool = False,
     variants: tuple[str, ...] = (),
     common_factor: int = 0,
+    common_factor_steps: int = 0,
 ) -> None:
     import megatron.training.training as training
     import torch
@@ -370,7 +371,7 @@ def inner(
 
             from megatron_tp_overlap.engine.search import SearchOptions
 
-            trials = cf.record(real, common_factor, SearchOptions().halving_steps)
+            trials = cf.record(real, common_factor, common_factor_steps or SearchOptions().halving_steps)
             result["common_factor"] = {"trials": trials, "summary": cf.summarize(trials)}
             print(cf.line(result["common_factor"]["summary"]), flush=True)
             save()  # with --runs 0 nothing else would write it (2026-11-26: the trials were lost so)
@@ -511,6 +512,14 @@ def main() -> None:
         help="first, this many racing-like trials of an equal world: does a slow stretch slow every part of a step "
         "alike? (common_factor.py)",
     )
+    p.add_argument(
+        "--common-factor-steps",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="measured steps per trial of --common-factor (default: the racing's, halving_steps); 16: how a trial's "
+        "level falls with its length (trial_level.py)",
+    )
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     add_trial_microbatches(p)
     p.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
@@ -532,6 +541,7 @@ def main() -> None:
             a.preset,
             tuple(a.variants),
             a.common_factor,
+            a.common_factor_steps,
         )
         return
     from megatron_autotune import FP8_ARGS, one_gpu_args, parse_model_shape
@@ -543,7 +553,7 @@ def main() -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", __file__, "--inner", "--out", str(out)]
     cmd += ["--trial-microbatches", str(a.trial_microbatches)]
     cmd += ["--runs", str(a.runs), "--minutes", str(a.minutes), "--idle-s", str(a.idle_s)]
-    cmd += ["--common-factor", str(a.common_factor)]
+    cmd += ["--common-factor", str(a.common_factor), "--common-factor-steps", str(a.common_factor_steps)]
     variants = a.variants + [f"select_passes={n}" for n in a.select_passes]
     for v in variants:
         parse_variant(v)  # a typo fails here, before any GPU work

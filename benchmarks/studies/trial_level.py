@@ -1,0 +1,92 @@
+"""Is a trial's level a constant of the trial, or slow step noise that longer trials average out? (issue 46)
+
+The search's standard errors count a level that all steps of a trial share (``engine/trial_effect.py``): per slot, the
+part of the incumbent's trial-to-trial spread that its steps' own spread does not explain. If that level is a constant
+of the trial (where the switch left buffers, clocks after the idle gap), longer trials cannot shrink it: only more
+trials can, and a gain of 1% of the largest slot needs more fresh looks than a 60 s budget holds. If it is slow step
+noise (clocks drifting over a few steps), a look twice as long halves its share.
+
+Input: ``search_on_real_steps.py --runs 0 --common-factor TRIALS --common-factor-steps 16``: trials alternating two
+configs of an equal world, a switch before each. Per slot, from consecutive trials of the same config (a drift over
+two trials cancels):
+
+- ``step_pct``: one step's relative spread (successive differences within trials / sqrt 2, robust);
+- ``level_pct[L]``: the spread of a trial's mean over its first L steps beyond what ``step_pct`` explains,
+  ``sqrt(var / 2 - step^2 / L)`` (0 where the steps explain it all). Flat in L: a constant of the trial;
+  falling like 1 / sqrt(L): slow noise;
+- ``halves_corr``: the correlation of the trial-to-trial changes of the first and the second half's mean (8 steps
+  each): a constant level gives ``level^2 / (level^2 + step^2 / 8)``, slow noise over fewer steps than 8 gives ~0.
+
+    python benchmarks/studies/trial_level.py DIR/search_on_real_steps.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+from megatron_tp_overlap.engine.stats import robust_sd
+
+LENGTHS = (2, 4, 8, 16)
+
+
+def _corr(a: list[float], b: list[float]) -> float:
+    ma, mb = statistics.fmean(a), statistics.fmean(b)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(a, b))
+    va, vb = sum((x - ma) ** 2 for x in a), sum((y - mb) ** 2 for y in b)
+    return cov / (va * vb) ** 0.5 if va > 0 and vb > 0 else 0.0
+
+
+def summarize(trials: list[dict]) -> dict:
+    """``trials``: [{"slots": {slot: [ms per step]}, ...}] alternating two configs (even, odd). Per slot: see the
+    module's docstring; lengths longer than the trials are left out."""
+    n_steps = min(len(t["step"]) for t in trials)
+    out: dict = {"trials": len(trials), "steps": n_steps, "slots": {}}
+    for s in sorted(trials[0]["slots"]):
+        rel = []
+        for parity in (0, 1):
+            mine = [t["slots"][s][:n_steps] for t in trials[parity::2]]
+            mid = statistics.median(v for x in mine for v in x)
+            rel.append([[v / mid - 1 for v in x] for x in mine])
+        diffs = [b - a for group in rel for x in group for a, b in zip(x, x[1:])]
+        step = robust_sd(diffs) / 2**0.5
+        row = {"ms": round(statistics.median(trials[0]["slots"][s]), 3), "step_pct": round(100 * step, 3)}
+        levels = {}
+        for n in (L for L in LENGTHS if L <= n_steps):
+            d = [statistics.fmean(b[:n]) - statistics.fmean(a[:n]) for group in rel for a, b in zip(group, group[1:])]
+            var = robust_sd(d) ** 2 / 2
+            levels[n] = round(100 * max(0.0, var - step * step / n) ** 0.5, 3)
+        row["level_pct"] = levels
+        if n_steps >= 16:
+            h = n_steps // 2
+            da = [statistics.fmean(b[:h]) - statistics.fmean(a[:h]) for g in rel for a, b in zip(g, g[1:])]
+            db = [statistics.fmean(b[h:]) - statistics.fmean(a[h:]) for g in rel for a, b in zip(g, g[1:])]
+            row["halves_corr"] = round(_corr(da, db), 3)
+        out["slots"][s] = row
+    return out
+
+
+def table(summary: dict) -> str:
+    lengths = [L for L in LENGTHS if L <= summary["steps"]]
+    head = "| slot | ms per step | step spread, % | " + " | ".join(f"level over {L} steps, %" for L in lengths)
+    rows = [head + " | halves' correlation |", "|---" * (len(lengths) + 4) + "|"]
+    for s, r in summary["slots"].items():
+        lv = " | ".join(str(r["level_pct"][L]) for L in lengths)
+        rows.append(f"| {s} | {r['ms']} | {r['step_pct']} | {lv} | {r.get('halves_corr', '')} |")
+    return "\n".join(rows)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("json", type=Path, nargs="+", help="search_on_real_steps.json with common_factor trials")
+    a = p.parse_args()
+    for f in a.json:
+        s = summarize(json.loads(f.read_text())["common_factor"]["trials"])
+        print(f"{f}: {s['trials']} trials of {s['steps']} steps")
+        print(table(s))
+
+
+if __name__ == "__main__":
+    main()
