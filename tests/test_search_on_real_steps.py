@@ -4,6 +4,7 @@ and a search's record is scored against the truth (a simulated run stands in for
 import importlib.util
 import json
 import random
+import statistics
 import sys
 from pathlib import Path
 
@@ -204,6 +205,38 @@ def test_the_common_factor_study_tells_a_stretch_that_slows_the_whole_step_from_
     assert min(explained["hostbound"]) > 0.75, explained
     assert max(abs(e) for e in explained["iid"]) < 0.3, explained
     assert cf.line(s).startswith("[common_factor] 120 trials, rest of the step ")
+
+
+def test_the_trial_level_study_finds_a_level_each_trial_shares_and_a_slow_step_at_one_position():
+    """``trial_level.py`` on simulated 16-step trials (``--common-factor 120 --common-factor-steps 16``): the level that
+    ``trial_wide`` gives each trial's fc1.bwd (0.7%) and qkv.fwd (2.5%) reads so over 2 to 16 steps, iid steps read
+    none, and ``position``'s slow step after each switch shows at its position."""
+    import common_factor as cf
+    import trial_level as tl
+
+    class Steps:
+        def __init__(self, scenario: str):
+            self.scenario = scenario
+
+        def start(self, world):
+            self.run = sim.SimulatedRun(world, self.scenario, random.Random(11))
+
+        def __call__(self, config, steps, warmup):
+            return self.run(config, steps, warmup)
+
+    wide = tl.summarize(cf.record(Steps("trial_wide"), 120, 16))
+    assert (wide["trials"], wide["steps"]) == (120, 16)
+    assert all(0.6 < v < 0.9 for v in wide["slots"]["fc1.bwd"]["level_pct"].values()), wide["slots"]["fc1.bwd"]
+    assert all(2.0 < v < 2.8 for v in wide["slots"]["qkv.fwd"]["level_pct"].values()), wide["slots"]["qkv.fwd"]
+    assert wide["slots"]["fc1.bwd"]["halves_corr"] > 0.4  # a constant level: the two halves move together
+    iid = tl.summarize(cf.record(Steps("iid"), 120, 16))
+    # iid: 2% per step, no level; each slot's estimate from 118 differences scatters (up to ~0.6% here), its median not
+    assert statistics.median(r["level_pct"][8] for r in iid["slots"].values()) < 0.2, iid["slots"]
+    assert statistics.median(r["level_pct"][8] for r in wide["slots"].values()) > 0.6
+    pos = tl.summarize(cf.record(Steps("position"), 120, 16))["by_position_pct"]
+    assert pos.index(max(pos)) == 1 and max(pos) > 4  # the 3rd step after a switch, the 2nd measured
+    assert max(abs(v) for v in wide["by_position_pct"]) < 0.5
+    assert tl.table(wide).startswith("| slot | ms per step | step spread, % | level over 2 steps, %")
 
 
 def test_the_bar_over_many_results_counts_seeds_per_dtype_and_says_what_is_not_met(tmp_path, capsys):

@@ -13,9 +13,10 @@ two trials cancels):
 - ``step_pct``: one step's relative spread (successive differences within trials / sqrt 2, robust);
 - ``level_pct[L]``: the spread of a trial's mean over its first L steps beyond what ``step_pct`` explains,
   ``sqrt(var / 2 - step^2 / L)`` (0 where the steps explain it all). Flat in L: a constant of the trial;
-  falling like 1 / sqrt(L): slow noise;
-- ``halves_corr``: the correlation of the trial-to-trial changes of the first and the second half's mean (8 steps
-  each): a constant level gives ``level^2 / (level^2 + step^2 / 8)``, slow noise over fewer steps than 8 gives ~0.
+  falling like 1 / sqrt(L): slow noise (16 steps reach the slow stretch after a switch on the slower models);
+- ``halves_corr``: the correlation of the trial-to-trial changes of the mean of steps 0-3 and of steps 4-7: a
+  constant level gives ``level^2 / (level^2 + step^2 / 4)``, noise slower than a step but faster than 4 gives ~0;
+- ``by_position_pct``: every slot's time by position since the switch (1 warm-up before position 0).
 
     python benchmarks/studies/trial_level.py DIR/search_on_real_steps.json
 """
@@ -59,12 +60,17 @@ def summarize(trials: list[dict]) -> dict:
             var = robust_sd(d) ** 2 / 2
             levels[n] = round(100 * max(0.0, var - step * step / n) ** 0.5, 3)
         row["level_pct"] = levels
-        if n_steps >= 16:
-            h = n_steps // 2
-            da = [statistics.fmean(b[:h]) - statistics.fmean(a[:h]) for g in rel for a, b in zip(g, g[1:])]
-            db = [statistics.fmean(b[h:]) - statistics.fmean(a[h:]) for g in rel for a, b in zip(g, g[1:])]
+        if n_steps >= 8:  # the first 8 steps: the slow stretch after a switch comes later (see by_position_pct)
+            da = [statistics.fmean(b[:4]) - statistics.fmean(a[:4]) for g in rel for a, b in zip(g, g[1:])]
+            db = [statistics.fmean(b[4:8]) - statistics.fmean(a[4:8]) for g in rel for a, b in zip(g, g[1:])]
             row["halves_corr"] = round(_corr(da, db), 3)
         out["slots"][s] = row
+    # every slot's time by position since the switch, over the median position: a slow stretch at one moment after
+    # each switch (H200, H100: 14-19% in bf16 for ~3 steps, ~0.85 s after the idle gap) sits at the same position in every trial
+    total = [[sum(t["slots"][s][i] for s in t["slots"]) for i in range(n_steps)] for t in trials]
+    by_pos = [statistics.median(x[i] for x in total) for i in range(n_steps)]
+    mid = statistics.median(by_pos)
+    out["by_position_pct"] = [round(100 * (v / mid - 1), 1) for v in by_pos]
     return out
 
 
@@ -86,6 +92,7 @@ def main() -> None:
         s = summarize(json.loads(f.read_text())["common_factor"]["trials"])
         print(f"{f}: {s['trials']} trials of {s['steps']} steps")
         print(table(s))
+        print("every slot by position since the switch, % over the median:", s["by_position_pct"])
 
 
 if __name__ == "__main__":
