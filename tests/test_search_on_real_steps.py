@@ -158,6 +158,20 @@ def test_a_bad_variant_is_refused_with_its_key(bad):
         sr.parse_variant(bad)
 
 
+@pytest.mark.parametrize(
+    ("flag", "rule"),
+    [(["--common-factor", "4"], "at least 8 trials"), (["--common-factor-steps", "-1"], "at least 2"),
+     (["--common-factor-steps", "1"], "at least 2")],
+)  # fmt: skip
+def test_a_bad_study_size_gets_one_line_and_exit_2_before_any_gpu_work(flag, rule, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", [str(PATH), "--script", "pretrain_gpt.py", *flag])
+    monkeypatch.setattr(sr.subprocess, "run", lambda *a, **k: pytest.fail("a GPU job started"))
+    with pytest.raises(SystemExit) as e:
+        sr.main()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith(flag[0]) and rule in err[0]
+
+
 def test_a_tp1_megatron_gpt_is_seen_with_the_simulators_slots():
     """At TP=1 no module has userbuffers flags: the benchmark names Megatron's linears by path and counts every GEMM
     as overlapped, so the real model has the simulator's 12 GEMMs in its 8 slots (the GPU run asserts the same)."""

@@ -527,6 +527,9 @@ def main() -> None:
     if a.common_factor and a.common_factor < 8:
         print(f"--common-factor {a.common_factor}: must be 0 (not run) or at least 8 trials", file=sys.stderr)
         sys.exit(2)
+    if a.common_factor_steps < 0 or a.common_factor_steps == 1:
+        print(f"--common-factor-steps {a.common_factor_steps}: must be 0 (the racing's) or at least 2", file=sys.stderr)
+        sys.exit(2)
     out = Path(a.out)
     if a.inner:
         inner(
