@@ -118,6 +118,9 @@ class SearchOptions:
     # fresh looks at a GEMM's leader at most: the first looks.RECHECKS are kept in the budget, later ones take its rest
     # (real Command-R-like steps: a true 0.23 ms measured 0.17 ms against 0.226 needed in two, 7 s of 60 unspent)
     max_looks: int = 6
+    # ... and a look after the third only for a leader ahead by this share of its threshold (0: any leader ahead; at a
+    # budget of 120 s that took decision_sim trial_wide's worst seed from 55.6 to 69.0%, at 60 s none: issue 46)
+    later_look_least: float = 0.5
     # the final decision's quadruple gains are clipped at their median +- this many robust standard deviations
     # (paired.clipped; 0: not clipped): a stretch of slow steps in a few blocks left real 1.2-2.3% gains undecided
     clip_sds: float = 4.0
