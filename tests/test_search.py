@@ -383,6 +383,8 @@ def test_options_are_validated():
         SearchOptions(max_steps=-1)
     with pytest.raises(ValueError, match="changed_slots = 2: must be 0 or 1"):
         SearchOptions(changed_slots=2)
+    with pytest.raises(ValueError, match=r"later_look_least = -0.5: must be in \[0, 1\]"):
+        SearchOptions(later_look_least=-0.5)
     assert SearchOptions(max_steps=0).steps_left(10**9) == float("inf")  # 0: no step limit
 
 

@@ -61,7 +61,8 @@ class Looks:
             ]
             unhalved += self._measure_options("recheck", incumbent, again, o.recheck_steps, raw_fresh, decision_cost)
         # what the budget has left (the later phases kept) goes to leaders still ahead within the noise, at least
-        # ``later_look_least`` of the way to it, up to ``max_looks`` looks (real Command-R-like steps: 17104's fc1_wgrad, 0.36 ms in its fourth)
+        # ``later_look_least`` of the way to it, up to ``max_looks`` looks (real Command-R-like steps: 17104's
+        # fc1_wgrad, 0.36 ms in its fourth)
         hit, kept = (self.budget_hit, self.limit_hit), lambda: self._kept(decision_cost(), contenders, 0)
         worth = o.rel_floor * self._step_level(incumbent) / 4  # a quarter of a gain worth a switch: not 0.02 ms of 100
         for _ in range(RECHECKS, o.max_looks):

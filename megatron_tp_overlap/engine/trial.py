@@ -157,6 +157,10 @@ class SearchOptions:
             )
         if not 0.5 <= self.level < 1:
             raise ValueError(f"level = {self.level}: must be in [0.5, 1)")
+        if not 0 <= self.later_look_least <= 1:
+            raise ValueError(
+                f"later_look_least = {self.later_look_least}: must be in [0, 1] (a share of the threshold)"
+            )
         for k in ("changed_slots", "rest_norm", "trial_noise", "fill_slots"):
             if getattr(self, k) not in (0, 1):
                 raise ValueError(f"{k} = {getattr(self, k)}: must be 0 or 1")
