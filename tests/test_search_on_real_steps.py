@@ -278,3 +278,7 @@ def test_the_bar_over_many_results_counts_seeds_per_dtype_and_says_what_is_not_m
     assert (fp["dtype"], fp["seeds"], fp["searches"], fp["false_winners"], fp["equal"]) == ("FP8", 2, 3, 1, 2)
     assert fp["why"] == ["2 seeds < 3", "1 false winner"]  # median 50 s of 60: within the budget
     assert rb.main([str(tmp_path / "missing")]) == 2 and "no search_on_real_steps.json" in capsys.readouterr().err
+    (tmp_path / "a.log").write_text("[suite] a: rc=0\n")  # a glob like r2/search46_* also gives the logs
+    assert rb.main([str(tmp_path / "a"), str(tmp_path / "a.log")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(str(tmp_path / "a.log")) and "not a search_on_real_steps.json" in err[0]

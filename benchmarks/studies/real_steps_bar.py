@@ -28,7 +28,10 @@ def load(paths: list[str]) -> list[dict]:
     ]
     runs = []
     for f in files:
-        d = json.loads(f.read_text())
+        try:
+            d = json.loads(f.read_text())
+        except json.JSONDecodeError as e:  # a log beside the folders, given by a glob
+            raise ValueError(f"{f}: not a search_on_real_steps.json ({e.msg})") from None
         dtype = "FP8" if "--fp8-format" in d.get("megatron_args", []) else "bf16"
         runs += [{**r, "dtype": dtype, "file": str(f)} for r in d["runs"]]
     return runs
@@ -89,7 +92,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, default=20, help="seeds per dtype the bar asks for")
     p.add_argument("--worst", type=float, default=0.8, help="share of its gain the worst seed must realize")
     a = p.parse_args(argv)
-    runs = load(a.paths)
+    try:
+        runs = load(a.paths)
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
     if not runs:
         print(f"no search_on_real_steps.json under {' '.join(a.paths)}", file=sys.stderr)
         return 2
