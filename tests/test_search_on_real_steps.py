@@ -152,10 +152,21 @@ def test_a_preset_world_scores_the_preset_and_each_variant_runs_on_the_same_worl
     assert sr.variant_of(old) == "select_passes=1"
 
 
-@pytest.mark.parametrize("bad", ["max_step=400", "max_steps=many", "max_steps=-1", "select_passes"])
+@pytest.mark.parametrize(
+    "bad", ["max_step=400", "max_steps=many", "max_steps=-1", "select_passes", "max_looks=2.5", "later_look_least=2.0"]
+)
 def test_a_bad_variant_is_refused_with_its_key(bad):
-    with pytest.raises((SystemExit, ValueError), match="max_step|select_passes"):
+    with pytest.raises(SystemExit, match="max_step|select_passes|max_looks|later_look_least"):
         sr.parse_variant(bad)
+
+
+def test_a_variant_takes_each_fields_type():
+    assert sr.parse_variant("max_seconds=120,later_look_least=0,max_looks=20") == {
+        "max_seconds": 120.0,
+        "later_look_least": 0.0,
+        "max_looks": 20,
+    }
+    assert isinstance(sr.parse_variant("max_looks=20")["max_looks"], int)
 
 
 @pytest.mark.parametrize(

@@ -264,17 +264,29 @@ def phase_seconds(trials: list) -> dict[str, float]:
     return out
 
 
-def parse_variant(variant: str) -> dict[str, int]:
-    """``"max_steps=400,select_passes=1"`` -> SearchOptions overrides; a key SearchOptions lacks raises."""
+def parse_variant(variant: str) -> dict[str, int | float]:
+    """``"max_steps=400,max_seconds=120.0"`` -> SearchOptions overrides, each of its field's type (int or float); a
+    key SearchOptions lacks, or a value not of its type, raises."""
     from megatron_tp_overlap.engine.search import SearchOptions
 
-    out = {}
+    kinds = {f.name: f.type for f in dataclasses.fields(SearchOptions) if f.type in ("int", "float", int, float)}
+    out: dict[str, int | float] = {}
     for kv in filter(None, variant.split(",")):
         k, _, v = kv.partition("=")
-        if k not in {f.name for f in dataclasses.fields(SearchOptions)} or not v.lstrip("-").isdigit():
-            raise SystemExit(f"--variants {variant!r}: {kv!r} must be KEY=INT with KEY a SearchOptions field")
-        out[k] = int(v)
-    SearchOptions(**out)  # its own rules
+        kind = int if kinds.get(k) in ("int", int) else float
+        try:
+            if k not in kinds:
+                raise ValueError
+            out[k] = kind(v)
+        except ValueError:
+            raise SystemExit(
+                f"--variants {variant!r}: {kv!r} must be KEY=NUMBER with KEY a numeric SearchOptions field (an int "
+                "field takes an int)"
+            ) from None
+    try:
+        SearchOptions(**out)  # its own rules
+    except ValueError as e:
+        raise SystemExit(f"--variants {variant!r}: {e}") from None
     return out
 
 
@@ -494,7 +506,7 @@ def main() -> None:
         "--variants",
         nargs="*",
         default=[],
-        metavar="KEY=INT[,KEY=INT]",
+        metavar="KEY=NUMBER[,KEY=NUMBER]",
         help="search each seed once per variant of the search options, e.g. max_steps=400 max_steps=0 (default: the "
         "defaults, once)",
     )
