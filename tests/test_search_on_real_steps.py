@@ -89,12 +89,16 @@ def test_an_moe_models_shared_experts_get_their_own_slots_and_the_delays_still_s
 
 
 class SimulatedReal:
-    """RealSteps' interface over the simulator's steps."""
+    """RealSteps' interface over the simulator's steps of ``scenario``."""
 
     topo, scale = sim.TOPO, 1.0
 
+    def __init__(self, scenario: str = "iid", seed: int = 7):
+        self.scenario, self.seed = scenario, seed
+
     def start(self, world) -> None:
-        self.run, self.switches, self.live = sim.SimulatedRun(world, "iid", random.Random(7), 400), 0, None
+        run = sim.SimulatedRun(world, self.scenario, random.Random(self.seed), 400)
+        self.run, self.switches, self.live = run, 0, None
 
     def __call__(self, config, n, warmup):
         if config != self.live:
@@ -212,19 +216,9 @@ def test_the_common_factor_study_tells_a_stretch_that_slows_the_whole_step_from_
     the noise is each slot's own (iid) it removes none of it."""
     import common_factor as cf
 
-    class Steps:  # the RealSteps interface (start, then config/steps/warm-up calls) on a simulated run
-        def __init__(self, scenario: str):
-            self.scenario = scenario
-
-        def start(self, world):
-            self.run = sim.SimulatedRun(world, self.scenario, random.Random(11))
-
-        def __call__(self, config, steps, warmup):
-            return self.run(config, steps, warmup)
-
     explained = {}
     for scenario in ("hostbound", "iid"):
-        s = cf.summarize(cf.record(Steps(scenario), 120, 4))
+        s = cf.summarize(cf.record(SimulatedReal(scenario, 11), 120, 4))
         assert s["trials"] == 120 and set(s["slots"]) == set(sim.SLOTS)
         explained[scenario] = [v["explained"] for v in s["slots"].values()]
     assert min(explained["hostbound"]) > 0.75, explained
@@ -239,26 +233,16 @@ def test_the_trial_level_study_finds_a_level_each_trial_shares_and_a_slow_step_a
     import common_factor as cf
     import trial_level as tl
 
-    class Steps:
-        def __init__(self, scenario: str):
-            self.scenario = scenario
-
-        def start(self, world):
-            self.run = sim.SimulatedRun(world, self.scenario, random.Random(11))
-
-        def __call__(self, config, steps, warmup):
-            return self.run(config, steps, warmup)
-
-    wide = tl.summarize(cf.record(Steps("trial_wide"), 120, 16))
+    wide = tl.summarize(cf.record(SimulatedReal("trial_wide", 11), 120, 16))
     assert (wide["trials"], wide["steps"]) == (120, 16)
     assert all(0.6 < v < 0.9 for v in wide["slots"]["fc1.bwd"]["level_pct"].values()), wide["slots"]["fc1.bwd"]
     assert all(2.0 < v < 2.8 for v in wide["slots"]["qkv.fwd"]["level_pct"].values()), wide["slots"]["qkv.fwd"]
     assert wide["slots"]["fc1.bwd"]["halves_corr"] > 0.4  # a constant level: the two halves move together
-    iid = tl.summarize(cf.record(Steps("iid"), 120, 16))
+    iid = tl.summarize(cf.record(SimulatedReal("iid", 11), 120, 16))
     # iid: 2% per step, no level; each slot's estimate from 118 differences scatters (up to ~0.6% here), its median not
     assert statistics.median(r["level_pct"][8] for r in iid["slots"].values()) < 0.2, iid["slots"]
     assert statistics.median(r["level_pct"][8] for r in wide["slots"].values()) > 0.6
-    pos = tl.summarize(cf.record(Steps("position"), 120, 16))["by_position_pct"]
+    pos = tl.summarize(cf.record(SimulatedReal("position", 11), 120, 16))["by_position_pct"]
     assert pos.index(max(pos)) == 1 and max(pos) > 4  # the 3rd step after a switch, the 2nd measured
     assert max(abs(v) for v in wide["by_position_pct"]) < 0.5
     assert tl.table(wide).startswith("| slot | ms per step | step spread, % | level over 2 steps, %")

@@ -10,7 +10,7 @@ Input: ``search_on_real_steps.py --runs 0 --common-factor TRIALS --common-factor
 configs of an equal world, a switch before each. Per slot, from consecutive trials of the same config (a drift over
 two trials cancels):
 
-- ``step_pct``: one step's relative spread (successive differences within trials / sqrt 2, robust);
+- ``step_pct``: one step's relative spread (``stats.pooled_sigma``: successive differences within trials);
 - ``level_pct[L]``: the spread of a trial's mean over its first L steps beyond what ``step_pct`` explains,
   ``sqrt(var / 2 - step^2 / L)`` (0 where the steps explain it all). Flat in L: a constant of the trial;
   falling like 1 / sqrt(L): slow noise (16 steps reach the slow stretch after a switch on the slower models);
@@ -28,16 +28,9 @@ import json
 import statistics
 from pathlib import Path
 
-from megatron_tp_overlap.engine.stats import robust_sd
+from megatron_tp_overlap.engine.stats import pooled_sigma, robust_sd
 
 LENGTHS = (2, 4, 8, 16)
-
-
-def _corr(a: list[float], b: list[float]) -> float:
-    ma, mb = statistics.fmean(a), statistics.fmean(b)
-    cov = sum((x - ma) * (y - mb) for x, y in zip(a, b))
-    va, vb = sum((x - ma) ** 2 for x in a), sum((y - mb) ** 2 for y in b)
-    return cov / (va * vb) ** 0.5 if va > 0 and vb > 0 else 0.0
 
 
 def summarize(trials: list[dict]) -> dict:
@@ -51,8 +44,7 @@ def summarize(trials: list[dict]) -> dict:
             mine = [t["slots"][s][:n_steps] for t in trials[parity::2]]
             mid = statistics.median(v for x in mine for v in x)
             rel.append([[v / mid - 1 for v in x] for x in mine])
-        diffs = [b - a for group in rel for x in group for a, b in zip(x, x[1:])]
-        step = robust_sd(diffs) / 2**0.5
+        step = pooled_sigma([x for group in rel for x in group])
         row = {"ms": round(statistics.median(trials[0]["slots"][s]), 3), "step_pct": round(100 * step, 3)}
         levels = {}
         for n in (L for L in LENGTHS if L <= n_steps):
@@ -63,7 +55,7 @@ def summarize(trials: list[dict]) -> dict:
         if n_steps >= 8:  # the first 8 steps: the slow stretch after a switch comes later (see by_position_pct)
             da = [statistics.fmean(b[:4]) - statistics.fmean(a[:4]) for g in rel for a, b in zip(g, g[1:])]
             db = [statistics.fmean(b[4:8]) - statistics.fmean(a[4:8]) for g in rel for a, b in zip(g, g[1:])]
-            row["halves_corr"] = round(_corr(da, db), 3)
+            row["halves_corr"] = round(statistics.correlation(da, db), 3)
         out["slots"][s] = row
     # every slot's time by position since the switch, over the median position: a slow stretch at one moment after
     # each switch (H200, H100: 14-19% in bf16 for ~3 steps, ~0.85 s after the idle gap) sits at the same position in every trial
