@@ -5,6 +5,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 import pytest
+from budgets import at_60
 
 from megatron_tp_overlap.engine.search import Searcher, SearchOptions
 from megatron_tp_overlap.engine.trial import SearchResult
@@ -46,10 +47,10 @@ def search(options: SearchOptions, scenario: str = "jitter", seed: int = 43, gai
 
 def test_a_leader_left_within_the_noise_after_three_looks_gets_more_with_what_the_budget_has_left():
     """decision_sim jitter seed 43 on the slow clock: with three fresh looks at most (6c358d9) ``fc1_wgrad``'s 0.12 ms
-    is left within the noise and the search takes 78% of the gain; with up to six (``max_looks``, the default) the
+    is left within the noise and the search takes 78% of the gain; with up to six (``max_looks`` then) the
     budget's rest looks again and the whole gain is taken, still within the 60 s budget and without a budget cut
     (decision_sim, 200 seeds on this clock: jitter's worst seed 78.0 -> 100%)."""
-    before, after = search(SearchOptions(max_looks=3)), search(SearchOptions())
+    before, after = search(at_60(max_looks=3)), search(at_60())
     assert round(before.outcome.realized, 3) == 0.78 and before.outcome.excess < 0
     assert after.outcome.realized == 1.0 and after.outcome.seconds <= 60
     # fc1_wgrad's leader: two looks then (a third only where the racing put it beyond the noise or its slots have a
@@ -67,7 +68,7 @@ def test_later_looks_go_only_to_a_gain_worth_a_quarter_of_a_switch():
     that config a winner at its last 95% look. Later looks go only to a leader ahead by at least a quarter of a gain
     worth a switch (0.05% of the step): it gets none, is not accepted, and no false winner is named (200 seeds on this
     clock: hostbound 0.5% -> 0.0% false winners)."""
-    out = search(SearchOptions(), "hostbound", 41, gain=False)
+    out = search(at_60(), "hostbound", 41, gain=False)
     assert out.looks["qkv_fprop: ring_exchange no_ce"] == 2 and not out.result.choices["qkv_fprop"]["accepted"]
     assert not out.outcome.false_winner
 
@@ -75,7 +76,7 @@ def test_later_looks_go_only_to_a_gain_worth_a_quarter_of_a_switch():
 def test_later_looks_keep_the_final_decision_and_what_precedes_it():
     """What the looks after the third keep of the budget is the final decision, the selection round's runoff and the
     numerics check, and no further looks; the racing keeps three looks more."""
-    s = search(SearchOptions()).searcher
+    s = search(at_60()).searcher
     decision = s._decision_reserve(3)
     later, racing = s._kept(decision, 3, 0), s._kept(decision, 3, 3)
     look = s.recheck_work()
@@ -86,3 +87,19 @@ def test_later_looks_keep_the_final_decision_and_what_precedes_it():
 def test_max_looks_must_allow_one_look():
     with pytest.raises(ValueError, match="max_looks = 0: must be >= 1"):
         SearchOptions(max_looks=0)
+
+
+def test_the_default_budget_and_later_looks_take_the_trial_level_gains_that_60_s_left():
+    """decision_sim trial_wide (real Command-R-like bf16 steps: every slot's trials share a level of 0.7%): a fresh look
+    at fc1.bwd errs by 0.24-0.28 ms there, so a 0.3 ms gain needs about 8 looks. At 60 s, with later looks only for a
+    leader half-way to its threshold and 6 at most, seeds 66, 28, 198 and 89 took 47-60% of their gains; at the
+    defaults (120 s, up to 20 looks, later ones for any leader ahead) each takes all of it within the budget (200
+    seeds: 8 -> 2 below 80%). Seeds 49 and 43 stay short: their fc1.bwd leader's looks fell behind, or it never led."""
+    for seed, then in ((66, 0.469), (28, 0.488), (198, 0.57), (89, 0.597)):
+        gain = sim.seed_gain(seed)
+        before = sim.run_once("trial_wide", gain, sim.GAIN_SEED + seed, at_60())
+        after = sim.run_once("trial_wide", gain, sim.GAIN_SEED + seed)
+        assert round(before.realized, 3) == then and after.realized == 1.0, (seed, before, after)
+        assert after.excess < 0 and after.seconds <= SearchOptions().max_seconds == 120, seed
+    for seed, left in ((49, 0.69), (43, 0.78)):
+        assert round(sim.run_once("trial_wide", sim.seed_gain(seed), sim.GAIN_SEED + seed).realized, 3) == left

@@ -6,6 +6,7 @@ import re
 import statistics
 
 import pytest
+from budgets import at_60
 from test_search import CTX, Synthetic, setup
 
 from megatron_tp_overlap.engine.report import build_report
@@ -19,7 +20,7 @@ def test_a_gain_the_old_search_left_behind_is_taken_in_full():
     bracket that caught the slow step made the old search keep 11.5% of the gain (the worst seed of its table); the
     racing rounds re-measure every option and take all of it."""
     gain = random.Random(14).uniform(0.005, 0.05)
-    out = sim.run_once("periodic", gain, 1000 + 14)
+    out = sim.run_once("periodic", gain, 1000 + 14, at_60())
     assert out.realized == 1.0 and out.excess < 0 and out.seconds <= 60
 
 
@@ -28,7 +29,7 @@ def test_no_false_winner_in_equal_worlds_where_the_old_search_named_one():
     table). More measurements pick the luckiest of more estimates, so only a fresh re-check accepts a GEMM's leader,
     and the final ABBA decision still guards the result."""
     for scenario, seed in (("jitter", 176), ("iid", 191)):
-        out = sim.run_once(scenario, 0.0, 5000 + seed)
+        out = sim.run_once(scenario, 0.0, 5000 + seed, at_60())
         assert not out.false_winner and out.excess == 0.0 and out.seconds <= 60, (scenario, seed)
 
 
@@ -64,10 +65,10 @@ def test_the_worst_seeds_of_the_first_racing_table_take_their_gain_and_name_no_f
     and iid seed 102 named false winners (standard errors pooled in ms over 3 and 6 ms slots, with the interpolated
     incumbent counted as 16 samples: 10% of re-checked leaders passed 2 of them where 2.3% should)."""
     for scenario, seed in (("iid", 165), ("iid", 43)):
-        out = sim.run_once(scenario, random.Random(seed).uniform(0.005, 0.05), 1000 + seed)
+        out = sim.run_once(scenario, random.Random(seed).uniform(0.005, 0.05), 1000 + seed, at_60())
         assert out.realized == 1.0 and out.seconds <= 60, (scenario, seed, out)
     for scenario, seed in (("locked", 23), ("iid", 102)):
-        out = sim.run_once(scenario, 0.0, 5000 + seed)
+        out = sim.run_once(scenario, 0.0, 5000 + seed, at_60())
         assert not out.false_winner and out.seconds <= 60, (scenario, seed, out)
 
 
@@ -80,7 +81,7 @@ def test_a_config_faster_by_less_than_a_gain_worth_a_switch_is_not_named():
     opt = next(o for o in space["fc1_fprop"] if o.enabled and o.cfg)
     world = sim.World({("fc1_fprop", opt.cfg.describe()): sim.GEMM_MS - 0.1})
     run = sim.SimulatedRun(world, "position", random.Random(0))
-    res = Searcher(sim.TOPO, space, run, sim.CTX).run(ref, {"no overlap": sim.all_off(sim.TOPO, ref)})
+    res = Searcher(sim.TOPO, space, run, sim.CTX, at_60()).run(ref, {"no overlap": sim.all_off(sim.TOPO, ref)})
     assert res.choices["fc1_fprop"]["accepted"] and res.best_name == "reference"
     assert "but by less than a gain worth a switch (0.2% of a step)" in res.reason
 
@@ -91,7 +92,7 @@ def test_a_tuned_config_behind_in_its_selection_blocks_still_goes_to_the_final_d
     behind in its three selection blocks, and the search ended at 42-43 s of 60 with none of the gain. Accepted
     choices now go to the ABBA, which takes all of it."""
     for seed in (100, 166):
-        out = sim.run_once("hostbound", random.Random(seed).uniform(0.005, 0.05), 1000 + seed)
+        out = sim.run_once("hostbound", random.Random(seed).uniform(0.005, 0.05), 1000 + seed, at_60())
         assert out.realized == 1.0 and out.seconds <= 60, seed
 
 
@@ -128,7 +129,7 @@ def test_a_hostbound_gain_the_search_leaves_undecided_is_handed_on_to_the_in_run
     and that config holds the whole gain: what the run keeps is decided by its own iterations. (With the options of
     then: the defaults decide it, next tests.)"""
     gain = random.Random(146).uniform(0.005, 0.05)
-    out = sim.run_once("hostbound", gain, 1000 + 146, SearchOptions(changed_slots=0, rest_norm=0))
+    out = sim.run_once("hostbound", gain, 1000 + 146, at_60(changed_slots=0, rest_norm=0))
     assert out.realized == 0.0 and not out.false_winner and out.handed and out.handed_on == 1.0, out
     # the verification on iterations as noisy as one H200's real ones (verify_sim locked) keeps it
     kept = sim._verified(out, 1000 + 146, "locked")
@@ -142,8 +143,8 @@ def test_deciding_on_the_changed_slots_takes_the_hostbound_gains_the_whole_layer
     (``changed_slots=1``) it decides, and takes the whole gain (decision_sim hostbound, 200 seeds: mean 94.3 ->
     98.7%, worst seed 0 -> 57.2%, false winners 0.0% in every scenario: benchmarks/results/2026-11-25_cpu/)."""
     gain = random.Random(seed).uniform(0.005, 0.05)
-    before = sim.run_once("hostbound", gain, 1000 + seed, SearchOptions(changed_slots=0, rest_norm=0))
-    after = sim.run_once("hostbound", gain, 1000 + seed, SearchOptions(changed_slots=1, rest_norm=0))
+    before = sim.run_once("hostbound", gain, 1000 + seed, at_60(changed_slots=0, rest_norm=0))
+    after = sim.run_once("hostbound", gain, 1000 + seed, at_60(changed_slots=1, rest_norm=0))
     assert before.realized == 0.0 and before.handed
     assert after.realized == 1.0 and after.excess < 0 and not after.handed
 
@@ -157,8 +158,8 @@ def test_racing_on_slot_times_scaled_by_the_rest_they_follow_takes_the_hostbound
     scenario 100% mean and worst seed, 0.0% false winners; benchmarks/results/2026-11-25_cpu/decision_sim/)."""
     gain = random.Random(seed).uniform(0.005, 0.05)
     # the fresh looks as they were then (3 at most): with up to 6 (``max_looks``) seed 162 takes its gain unscaled
-    before = sim.run_once("hostbound", gain, 1000 + seed, SearchOptions(changed_slots=1, rest_norm=0, max_looks=3))
-    after = sim.run_once("hostbound", gain, 1000 + seed)
+    before = sim.run_once("hostbound", gain, 1000 + seed, at_60(changed_slots=1, rest_norm=0, max_looks=3))
+    after = sim.run_once("hostbound", gain, 1000 + seed, at_60())
     assert round(before.realized, 3) == alone and not before.handed
     assert after.realized == 1.0 and after.excess < 0 and not after.handed
 

@@ -6,6 +6,7 @@ import re
 
 import fakes
 import pytest
+from budgets import at_60
 
 from megatron_tp_overlap.engine.search import (
     Measurement,
@@ -136,7 +137,7 @@ def test_the_budget_prices_steps_and_switches_apart_so_that_short_trial_steps_ho
     for seed in range(4):
         world = sim.make_world(space, 0.03, random.Random(seed))
         run = Clocked(sim.SimulatedRun(world, "iid", random.Random(seed), 400))
-        res = Searcher(sim.TOPO, space, run, sim.CTX, SearchOptions()).run(ref, {"no overlap": all_off(sim.TOPO, ref)})
+        res = Searcher(sim.TOPO, space, run, sim.CTX, at_60()).run(ref, {"no overlap": all_off(sim.TOPO, ref)})
         assert res.cut_short is None and res.elapsed_s <= 60, (seed, res.reason)
         assert world.step_ms(res.best) < world.step_ms(ref), (seed, res.reason)
     tight = Clocked(sim.SimulatedRun(world, "iid", random.Random(0), 400))
@@ -155,7 +156,7 @@ def test_the_first_trials_one_off_costs_do_not_price_every_switch():
     for seed in range(3):
         world = sim.make_world(space, 0.03, random.Random(seed))
         run = Clocked(sim.SimulatedRun(world, "iid", random.Random(seed), 400), step_s=0.04, switch_s=0.6, first_s=5)
-        res = Searcher(sim.TOPO, space, run, sim.CTX, SearchOptions()).run(ref, {"no overlap": all_off(sim.TOPO, ref)})
+        res = Searcher(sim.TOPO, space, run, sim.CTX, at_60()).run(ref, {"no overlap": all_off(sim.TOPO, ref)})
         assert res.cut_short is None and res.elapsed_s <= 60, (seed, res.reason)
         assert world.step_ms(res.best) < world.step_ms(ref), (seed, res.reason)
     short = Clocked(sim.SimulatedRun(world, "iid", random.Random(0), 400), step_s=0.04, switch_s=0.6, first_s=5)
@@ -198,9 +199,9 @@ def test_a_numerics_check_between_trials_is_priced_as_the_switch_it_is():
             run.t += run.switch_s + run.step_s
             run.live = config
 
-        res = Searcher(
-            sim.TOPO, space, run, sim.CTX, SearchOptions(), verify=verify, elapsed=lambda run=run: run.t
-        ).run(ref, {"no overlap": all_off(sim.TOPO, ref)})
+        res = Searcher(sim.TOPO, space, run, sim.CTX, at_60(), verify=verify, elapsed=lambda run=run: run.t).run(
+            ref, {"no overlap": all_off(sim.TOPO, ref)}
+        )
         assert "before any candidate" not in res.reason and res.elapsed_s <= 60, (seed, res.reason)
         assert world.step_ms(res.best) < world.step_ms(ref), (seed, res.reason)
         assert any(t.phase == "confirm" for t in res.trials)
@@ -589,7 +590,7 @@ def test_each_trial_reports_its_seconds_the_first_one_its_own_wall_time():
     ref = TuningConfig(UbConfig(), frozenset(), "reference")
     world = sim.make_world(space, 0.03, random.Random(0))
     run = Clocked(sim.SimulatedRun(world, "iid", random.Random(0), 400), step_s=0.04, switch_s=0.6, first_s=5)
-    res = Searcher(sim.TOPO, space, run, sim.CTX, SearchOptions()).run(ref, {"no overlap": all_off(sim.TOPO, ref)})
+    res = Searcher(sim.TOPO, space, run, sim.CTX, at_60()).run(ref, {"no overlap": all_off(sim.TOPO, ref)})
     first, later = res.trials[0], res.trials[1:]
     steps = len(first.step_samples) + SearchOptions().warmup_steps
     assert first.to_dict()["seconds"] == pytest.approx(5 + 0.6 + steps * 0.04, abs=1e-3)  # its own wall
@@ -656,7 +657,7 @@ def test_a_decision_within_the_noise_says_what_seeing_a_1pct_gain_would_take():
         space,
         Synthetic(topo, cost=one_pct_at_8_sms, noise=0.4, seed=10),  # steps +-40%: the interval stays wide
         CTX,
-        SearchOptions(max_steps=10_000, max_seconds=1e9),
+        at_60(max_steps=10_000, max_seconds=1e9),
     ).run(ref, base)
     assert res.best_name == "reference" and "within the noise" in res.reason, res.reason
     assert "steps are noisy (+-2.1% of a step after 24 quadruples): a gain of 1% of a step would need about 102" in (

@@ -272,6 +272,10 @@ def test_the_bar_over_many_results_counts_seeds_per_dtype_and_says_what_is_not_m
     assert bf["equal_accepted"] == 1 and bf["why"] == ["worst 75.5% < 80%"]
     assert (fp["dtype"], fp["seeds"], fp["searches"], fp["false_winners"], fp["equal"]) == ("FP8", 2, 3, 1, 2)
     assert fp["why"] == ["2 seeds < 3", "1 false winner"]  # median 50 s of 60: within the budget
+    # a variant's own budget: 90 s medians are within max_seconds=120, beyond the 60 s default
+    slow = [{**r, "variant": v, "seconds": 90.0} for r in bf16 for v in ("max_seconds=120,max_looks=20", "z=3")]
+    rows = {r["variant"]: r["why"] for r in rb.bar([{**r, "dtype": "bf16"} for r in slow], 3, 0.7, budget_s=60.0)}
+    assert rows == {"max_seconds=120,max_looks=20": [], "z=3": ["median 90.0 s > 60 s"]}
     assert rb.main([str(tmp_path / "missing")]) == 2 and "no search_on_real_steps.json" in capsys.readouterr().err
     (tmp_path / "a.log").write_text("[suite] a: rc=0\n")  # a glob like r2/search46_* also gives the logs
     assert rb.main([str(tmp_path / "a"), str(tmp_path / "a.log")]) == 2

@@ -5,9 +5,10 @@ import random
 import statistics
 
 import pytest
+from budgets import at_60
 
 from megatron_tp_overlap.engine import trial_effect
-from megatron_tp_overlap.engine.search import Searcher, SearchOptions
+from megatron_tp_overlap.engine.search import Searcher
 from megatron_tp_overlap.engine.space import TuningConfig, all_off, build_space
 from megatron_tp_overlap.engine.trial import Trial
 from megatron_tp_overlap.tools.research import decision_sim as sim
@@ -55,9 +56,7 @@ def accepted_in_equal_worlds(scenario: str, seeds: range, **options) -> list[int
     for seed in seeds:
         rng = random.Random(seed)
         run = sim.SimulatedRun(sim.make_world(space, 0.0, rng), scenario, rng)
-        res = Searcher(sim.TOPO, space, run, sim.CTX, SearchOptions(**options)).run(
-            ref, {"no overlap": all_off(sim.TOPO, ref)}
-        )
+        res = Searcher(sim.TOPO, space, run, sim.CTX, at_60(**options)).run(ref, {"no overlap": all_off(sim.TOPO, ref)})
         assert res.best_name == "reference"
         out.append(sum(c["accepted"] for c in res.choices.values()))
     return out
@@ -117,8 +116,8 @@ def test_a_slot_left_free_in_a_racing_round_races_its_options_again_and_takes_th
     within the noise with fc1.bwd's 14 options raced once per round. With ``fill_slots=1`` (the default) they race
     again in the free trials, and the whole gain is taken (200 seeds: worst 70.9 -> 100%)."""
     gain, clock = random.Random(seed).uniform(0.005, 0.05), (0.082, 0.2, 0.0)
-    before = sim.run_once("iid", gain, 1000 + seed, SearchOptions(fill_slots=0), clock=clock)
-    after = sim.run_once("iid", gain, 1000 + seed, clock=clock)
+    before = sim.run_once("iid", gain, 1000 + seed, at_60(fill_slots=0), clock=clock)
+    after = sim.run_once("iid", gain, 1000 + seed, at_60(), clock=clock)
     assert round(before.realized, 3) == alone and before.excess < 0
     assert after.realized == 1.0 and after.seconds <= 60
 
@@ -128,5 +127,5 @@ def test_a_leader_whose_slots_have_a_trial_level_gets_a_third_fresh_look():
     the 0.181 ms needed in two fresh 8-step trials (each trial's forwards 1.5% apart) and was left (82.4% of the gain).
     Where the leader's slots have a measured trial level it gets a third look, and the whole gain is taken (200 seeds:
     worst 82.4 -> 100%; hostbound, where a third look everywhere named a false winner, unchanged)."""
-    out = sim.run_once("trial", random.Random(149).uniform(0.005, 0.05), 1000 + 149)
+    out = sim.run_once("trial", random.Random(149).uniform(0.005, 0.05), 1000 + 149, at_60())
     assert out.realized == 1.0 and out.excess < 0 and not out.handed

@@ -116,11 +116,14 @@ class SearchOptions:
     # 1: in a racing round a slot whose options all ran measures them again while the fullest slot's still run
     fill_slots: int = 1
     # fresh looks at a GEMM's leader at most: the first looks.RECHECKS are kept in the budget, later ones take its rest
-    # (real Command-R-like steps: a true 0.23 ms measured 0.17 ms against 0.226 needed in two, 7 s of 60 unspent)
-    max_looks: int = 6
-    # ... and a look after the third only for a leader ahead by this share of its threshold (0: any leader ahead; at a
-    # budget of 120 s that took decision_sim trial_wide's worst seed from 55.6 to 69.0%, at 60 s none: issue 46)
-    later_look_least: float = 0.5
+    # (real Command-R-like steps: a true 0.23 ms measured 0.17 ms against 0.226 needed in two, 7 s of 60 unspent); a
+    # look errs by 0.24-0.28 ms in fc1.bwd on trial-level steps, so a 0.3 ms gain needs about 8 (issue 46)
+    max_looks: int = 20
+    # ... and a look after the third only for a leader ahead by this share of its threshold (0: any leader ahead by a
+    # quarter of a gain worth a switch). At 120 s, 0 took decision_sim trial_wide's worst seed from 55.6 to 69.0%; at
+    # 60 s no setting helped. Real Command-R-like bf16 steps on H100, the same worlds: 60 s and 0.5 took 7 of 8 gains in
+    # full (worst 75.5%), 120 s and 0 all 8 (results/2026-11-26_h100x4b/)
+    later_look_least: float = 0.0
     # the final decision's quadruple gains are clipped at their median +- this many robust standard deviations
     # (paired.clipped; 0: not clipped): a stretch of slow steps in a few blocks left real 1.2-2.3% gains undecided
     clip_sds: float = 4.0

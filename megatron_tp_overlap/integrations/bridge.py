@@ -3,7 +3,7 @@
 In a recipe, use :class:`AutotuneCommOverlapConfig` where Bridge takes its ``CommOverlapConfig``::
 
     from megatron_tp_overlap.integrations.bridge import AutotuneCommOverlapConfig
-    cfg.comm_overlap = AutotuneCommOverlapConfig(tp_comm_overlap=True, tp_comm_overlap_autotune_seconds=60)
+    cfg.comm_overlap = AutotuneCommOverlapConfig(tp_comm_overlap=True, tp_comm_overlap_autotune_seconds=120)
 
 Its fields are Bridge's plus ``tp_comm_overlap_autotune`` and one ``tp_comm_overlap_autotune_<option>`` per
 :class:`~engine.options.TuneOptions` field (generated from it), reachable by Bridge's Hydra-style overrides,

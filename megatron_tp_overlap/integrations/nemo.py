@@ -3,7 +3,7 @@
     from megatron_tp_overlap.integrations.nemo import AutotuneCommOverlapCallback
     trainer = nl.Trainer(strategy=nl.MegatronStrategy(tensor_model_parallel_size=4, sequence_parallel=True),
                          callbacks=[AutotuneCommOverlapCallback(tp_comm_overlap=True,
-                                                                tp_comm_overlap_autotune_seconds=60)])
+                                                                tp_comm_overlap_autotune_seconds=120)])
 
 It takes every argument of NeMo's callback (``tp_comm_overlap_cfg`` is the preset to start from, a
 ``TransformerLayerTPOverlapCfg``) plus the autotune options, named as Bridge's fields and the Megatron-LM
