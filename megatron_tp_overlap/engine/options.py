@@ -31,8 +31,8 @@ class TuneOptions:
 
     seconds: float = _opt(
         120.0,
-        "Budget: wall seconds of tuning (a hard cap, the trial in flight included). Searches end early when what is "
-        "left cannot pay (median 65-69 s of 120 on real H100 steps); 60 s leaves small fc1 gains on noisy steps.",
+        "Budget: wall seconds of tuning (a hard cap, the trial in flight included). A search ends early once nothing "
+        "left can pay for a switch: a median of 60-65 s on real H100 steps.",
     )
     steps: int = _opt(
         0,

@@ -137,7 +137,7 @@ def disturbance(
 
 class SimulatedRun:
     """``evaluate`` for the searcher: steps of a config under the scenario's disturbances. Seconds = steps x 0.1 (a
-    100 ms step, warm-ups included; no switch or host cost), so the 60 s budget holds 600 steps."""
+    100 ms step, warm-ups included; no switch or host cost), so the default 120 s budget holds 1200 steps."""
 
     def __init__(self, world: World, scenario: str, rng: random.Random, span_steps: int = DISTURBED_STEPS):
         self.world, self.rng, self.i, self.since, self.live = world, rng, 0, 0, None
