@@ -3,8 +3,8 @@
 Only fresh samples accept a leader, so that the luckiest of many raced estimates (the winner's curse) does not. The
 first look always runs; a second and a third, kept in the budget, only while a leader is inconclusive; later ones (up
 to ``SearchOptions.max_looks``) take what the budget has left once the final decision and what precedes it are kept,
-and only for a leader ahead at least ``later_look_least`` (0.5) of the way to the noise and by a quarter of a gain
-worth a switch. Every choice still goes through the final decision.
+and only for a leader ahead (at least ``later_look_least`` of the way to the noise; 0 by default: any share) and by a
+quarter of a gain worth a switch. Every choice still goes through the final decision.
 """
 
 from __future__ import annotations
