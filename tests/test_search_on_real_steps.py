@@ -96,9 +96,11 @@ class SimulatedReal:
     def __init__(self, scenario: str = "iid", seed: int = 7):
         self.scenario, self.seed = scenario, seed
 
+    slot_excess_ms = sr.RealSteps.slot_excess_ms  # the delays the real steps would put in
+
     def start(self, world) -> None:
         run = sim.SimulatedRun(world, self.scenario, random.Random(self.seed), 400)
-        self.run, self.switches, self.live = run, 0, None
+        self.world, self.run, self.switches, self.live = world, run, 0, None
 
     def __call__(self, config, n, warmup):
         if config != self.live:
@@ -281,3 +283,20 @@ def test_the_bar_over_many_results_counts_seeds_per_dtype_and_says_what_is_not_m
     assert rb.main([str(tmp_path / "a"), str(tmp_path / "a.log")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(str(tmp_path / "a.log")) and "not a search_on_real_steps.json" in err[0]
+
+
+def test_a_seed_that_leaves_its_gain_keeps_each_trial_of_the_slots_the_gain_was_in():
+    """A miss's JSON shows every look at the slots of the world's faster GEMMs with the delay put in for it: here an
+    8 s budget leaves seed 1001's proj_fprop gain although screening measured the fast option (no delay put in)."""
+    missed = sr.one_search(SimulatedReal(), 1001, 0.04, variant="max_seconds=8")
+    assert missed["realized"] == 0 and missed["world_fast"] == ["proj_fprop: pipeline sm=4 cga=2 splits=8 margin"]
+    rows = missed["miss_trace"]["proj.fwd"]
+    assert list(missed["miss_trace"]) == ["proj.fwd"] and len(rows) > 10
+    assert {r[3] for r in rows if r[0] == "baseline"} == {4.0}  # the reference's put-in delay, scaled to its step
+    fast = [r for r in rows if r[3] == 0.0]
+    assert (
+        fast
+        and all(r[0] == "screen" for r in fast)
+        and all(r[2] < min(b[2] for b in rows if b[3] == 4.0) for r in fast)
+    )
+    assert sr.one_search(SimulatedReal(), 1001, 0.04)["miss_trace"] is None  # taken in full: nothing kept
