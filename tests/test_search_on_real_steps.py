@@ -300,3 +300,10 @@ def test_a_seed_that_leaves_its_gain_keeps_each_trial_of_the_slots_the_gain_was_
         and all(r[2] < min(b[2] for b in rows if b[3] == 4.0) for r in fast)
     )
     assert sr.one_search(SimulatedReal(), 1001, 0.04)["miss_trace"] is None  # taken in full: nothing kept
+    spec = importlib.util.spec_from_file_location("real_steps_bar", PATH.parent / "real_steps_bar.py")
+    rb = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rb)
+    (line,) = rb.miss_lines([{**missed, "dtype": "bf16"}])
+    assert line.startswith(f"seed 1001 (bf16, max_seconds=8) proj.fwd: {len(fast)} trials with less put in"), line
+    looks = [x.split() for x in line.split("measured/put in ms: ")[1].split(", ")]
+    assert all(p == "s" and float(x.split("/")[0]) < 0 and x.endswith("/-4.000") for p, x in looks), line

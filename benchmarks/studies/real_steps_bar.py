@@ -7,7 +7,8 @@ counts as one seed searched twice) and prints, per dtype (bf16 / FP8, from the M
 seeds and searches, the gains taken in full, the worst realized share and its seed, the false winners among the equal
 worlds, the equal worlds that accepted a choice (each one a chance for the final decision to err), the seconds per
 search, and whether the bar holds: at least ``--seeds`` seeds, the worst seed at least ``--worst`` of its gain, no false
-winner, the median search within the budget.
+winner, the median search within the budget. Then, for each seed that left a gain and kept its trials
+(``miss_trace``), what each look at the slots of that gain measured against the delay taken out.
 """
 
 from __future__ import annotations
@@ -78,6 +79,29 @@ def bar(runs: list[dict], seeds: int, worst: float, budget_s: float) -> list[dic
     return rows
 
 
+def miss_lines(runs: list[dict]) -> list[str]:
+    """Per seed that left a gain (its ``miss_trace``), per slot: each trial of a config with less delay put in than the
+    incumbent's, as the slot's measured change (ms, against the incumbent's trial nearest in position) beside the
+    change put in, with the phase's initial. A look that reads nothing where a delay was taken out shows here."""
+    out = []
+    for r in runs:
+        for slot, rows in (r.get("miss_trace") or {}).items():
+            inc = [x for x in rows if x[0] in ("baseline", "bracket")]
+            if not inc or r["kind"] != "gain":
+                continue
+            ref_put = statistics.median(x[3] for x in inc)
+            looks = []
+            for phase, pos, ms, put in rows:
+                if put < ref_put - 1e-9:
+                    near = min(inc, key=lambda x: abs(x[1] - pos))
+                    looks.append(f"{phase[0]} {ms - near[2]:+.3f}/{put - ref_put:+.3f}")
+            out.append(
+                f"seed {r['seed']} ({r['dtype']}, {r.get('variant') or 'defaults'}) {slot}: "
+                f"{len(looks)} trials with less put in, measured/put in ms: {', '.join(looks) or 'none'}"
+            )
+    return out
+
+
 def table(rows: list[dict]) -> str:
     out = [
         "| dtype | variant | seeds (searches) | gains taken in full | realized, worst (seed) | false winners | "
@@ -109,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"no search_on_real_steps.json under {' '.join(a.paths)}", file=sys.stderr)
         return 2
     print(table(bar(runs, a.seeds, a.worst, TuneOptions.seconds)))
+    if lines := miss_lines(runs):
+        print("\nthe looks at the slots where a gain was left (s screen, h halving, r recheck, ...):")
+        print("\n".join(lines))
     return 0
 
 
