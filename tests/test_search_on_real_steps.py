@@ -162,7 +162,7 @@ def test_a_preset_world_scores_the_preset_and_each_variant_runs_on_the_same_worl
     "bad", ["max_step=400", "max_steps=many", "max_steps=-1", "select_passes", "max_looks=2.5", "later_look_least=2.0"]
 )
 def test_a_bad_variant_is_refused_with_its_key(bad):
-    with pytest.raises(SystemExit, match="max_step|select_passes|max_looks|later_look_least"):
+    with pytest.raises(ValueError, match="max_step|select_passes|max_looks|later_look_least"):
         sr.parse_variant(bad)
 
 
@@ -178,9 +178,10 @@ def test_a_variant_takes_each_fields_type():
 @pytest.mark.parametrize(
     ("flag", "rule"),
     [(["--common-factor", "4"], "at least 8 trials"), (["--common-factor-steps", "-1"], "at least 2"),
-     (["--common-factor-steps", "1"], "at least 2")],
+     (["--common-factor-steps", "1"], "at least 2"), (["--variants", "max_step=400"], "numeric SearchOptions field"),
+     (["--variants", "later_look_least=2"], "must be in [0, 1]")],
 )  # fmt: skip
-def test_a_bad_study_size_gets_one_line_and_exit_2_before_any_gpu_work(flag, rule, monkeypatch, capsys):
+def test_a_bad_study_size_or_variant_gets_one_line_and_exit_2_before_any_gpu_work(flag, rule, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", [str(PATH), "--script", "pretrain_gpt.py", *flag])
     monkeypatch.setattr(sr.subprocess, "run", lambda *a, **k: pytest.fail("a GPU job started"))
     with pytest.raises(SystemExit) as e:

@@ -290,7 +290,7 @@ def phase_seconds(trials: list) -> dict[str, float]:
 
 def parse_variant(variant: str) -> dict[str, int | float]:
     """``"max_steps=400,max_seconds=120.0"`` -> SearchOptions overrides, each of its field's type (int or float); a
-    key SearchOptions lacks, or a value not of its type, raises."""
+    key SearchOptions lacks, or a value not of its type or its rules, raises ValueError."""
     from megatron_tp_overlap.engine.search import SearchOptions
 
     kinds = {f.name: f.type for f in dataclasses.fields(SearchOptions) if f.type in ("int", "float", int, float)}
@@ -303,14 +303,14 @@ def parse_variant(variant: str) -> dict[str, int | float]:
                 raise ValueError
             out[k] = kind(v)
         except ValueError:
-            raise SystemExit(
+            raise ValueError(
                 f"--variants {variant!r}: {kv!r} must be KEY=NUMBER with KEY a numeric SearchOptions field (an int "
                 "field takes an int)"
             ) from None
     try:
         SearchOptions(**out)  # its own rules
     except ValueError as e:
-        raise SystemExit(f"--variants {variant!r}: {e}") from None
+        raise ValueError(f"--variants {variant!r}: {e}") from None
     return out
 
 
@@ -595,7 +595,11 @@ def main() -> None:
     cmd += ["--common-factor", str(a.common_factor), "--common-factor-steps", str(a.common_factor_steps)]
     variants = a.variants + [f"select_passes={n}" for n in a.select_passes]
     for v in variants:
-        parse_variant(v)  # a typo fails here, before any GPU work
+        try:
+            parse_variant(v)  # a typo fails here, in one line, before any GPU work
+        except ValueError as e:
+            print(e, file=sys.stderr)
+            sys.exit(2)
     cmd += (["--preset"] if a.preset else []) + (
         ["--variants", *variants] if variants else []
     )  # before the options below: "--variants A B SCRIPT" would take the script for a value
