@@ -179,7 +179,7 @@ def test_a_variant_takes_each_fields_type():
     ("flag", "rule"),
     [(["--common-factor", "4"], "at least 8 trials"), (["--common-factor-steps", "-1"], "at least 2"),
      (["--common-factor-steps", "1"], "at least 2"), (["--variants", "max_step=400"], "numeric SearchOptions field"),
-     (["--variants", "later_look_least=2"], "must be in [0, 1]")],
+     (["--variants", "later_look_least=2"], "must be in [0, 1]"), (["--repeat", "0"], "at least 1")],
 )  # fmt: skip
 def test_a_bad_study_size_or_variant_gets_one_line_and_exit_2_before_any_gpu_work(flag, rule, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", [str(PATH), "--script", "pretrain_gpt.py", *flag])

@@ -18,7 +18,8 @@ reference, false winners where every config costs the same. Userbuffers' own noi
 it: that needs a multi-GPU run.
 
 Runs alternate between seeds with a gain and ``equal`` seeds until ``--runs`` or ``--minutes`` is reached; each run's
-result is written as it ends (``search_on_real_steps.json``), and the table is printed last. ``--preset``: worlds with
+result is written as it ends (``search_on_real_steps.json``), and the table is printed last. ``--runs 1 --repeat N``: one
+world searched N times (a worst seed, again: is it the world or the moment?). ``--preset``: worlds with
 2-3 truly faster options and a preset-like whole config among the contenders, between the reference and the best (as
 ``decision_sim --preset``; on H200 the closest NeMo preset ran 1-2% behind the best config). ``--variants
 select_passes=1 select_passes=3`` (or ``--select-passes 1 3``): each seed searched once per variant of the search
@@ -357,6 +358,7 @@ def inner(
     variants: tuple[str, ...] = (),
     common_factor: int = 0,
     common_factor_steps: int = 0,
+    repeat: int = 1,
 ) -> None:
     import megatron.training.training as training
     import torch
@@ -413,13 +415,13 @@ def inner(
             save()  # with --runs 0 nothing else would write it (2026-11-26: the trials were lost so)
             delays.set({})
         for i in range(runs):
-            if time.perf_counter() - t_start > 60 * minutes:
-                break
             gain = random.Random(first_seed + i).uniform(*gains) / 100 if i % 2 == 0 else 0.0
             order = list(variants) or [""]
             if i % 4 >= 2:  # each kind of seed runs the variants in both orders (drift over the pair cancels)
                 order.reverse()
-            for v in order:
+            for v in order * repeat:
+                if time.perf_counter() - t_start > 60 * minutes:
+                    break
                 rec = one_search(real, first_seed + i, gain, preset, v)
                 rec["wall_s"] = round(time.perf_counter() - t_start, 1)
                 result["runs"].append(rec)
@@ -502,6 +504,9 @@ def main() -> None:
     p.add_argument("--idle-s", type=float, default=SWITCH_IDLE_S, help="host seconds per simulated switch")
     p.add_argument("--first-seed", type=int, default=1000)
     p.add_argument(
+        "--repeat", type=int, default=1, help="search each world this many times in a row (the worst world, again)"
+    )
+    p.add_argument(
         "--gain-pct",
         type=float,
         nargs=2,
@@ -566,6 +571,9 @@ def main() -> None:
     if a.common_factor_steps < 0 or a.common_factor_steps == 1:
         print(f"--common-factor-steps {a.common_factor_steps}: must be 0 (the racing's) or at least 2", file=sys.stderr)
         sys.exit(2)
+    if a.repeat < 1:
+        print(f"--repeat {a.repeat}: must be at least 1 (searches of each world)", file=sys.stderr)
+        sys.exit(2)
     out = Path(a.out)
     if a.inner:
         inner(
@@ -581,6 +589,7 @@ def main() -> None:
             tuple(a.variants),
             a.common_factor,
             a.common_factor_steps,
+            a.repeat,
         )
         return
     from megatron_autotune import FP8_ARGS, one_gpu_args, parse_model_shape
@@ -593,6 +602,7 @@ def main() -> None:
     cmd += ["--trial-microbatches", str(a.trial_microbatches)]
     cmd += ["--runs", str(a.runs), "--minutes", str(a.minutes), "--idle-s", str(a.idle_s)]
     cmd += ["--common-factor", str(a.common_factor), "--common-factor-steps", str(a.common_factor_steps)]
+    cmd += ["--repeat", str(a.repeat)]
     variants = a.variants + [f"select_passes={n}" for n in a.select_passes]
     for v in variants:
         try:
