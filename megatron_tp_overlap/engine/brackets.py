@@ -35,16 +35,3 @@ def jumped(pts: Pts, pos: list[float], position: float) -> bool:
         return False
     before, after = pts[i0 - 1][1], pts[i1][1]
     return abs(after - before) > JUMP * max(after, before)
-
-
-def stretched(raw: Pts, pos: list[float], position: float, usual: float, margin: float = JUMP) -> bool:
-    """Whether the incumbent's trials on either side of ``position`` both ran more than ``margin`` (a share, at least
-    ``JUMP``, beyond what their own steps' noise gives) above its ``usual`` level (``raw``: unscaled levels, the lower
-    quartile of them ``usual``): a stretch of slow, host-bound steps. There
-    a slot's time is the host's, and GPU time put in or taken out of it can vanish (real Gemma-like FP8 steps on one
-    H100, seed 21314: proj.fwd ran at 1.1 ms instead of 0.69, with and without a 0.27 ms delay); rest scaling takes
-    the stretch out of the level, not out of what it hides."""
-    i0, i1 = bisect.bisect_left(pos, position), bisect.bisect_right(pos, position)
-    if i0 == 0 or i1 == len(raw) or usual <= 0:
-        return False
-    return min(raw[i0 - 1][1], raw[i1][1]) > (1 + margin) * usual

@@ -102,10 +102,7 @@ class Looks:
         """Whether ``entries`` put ``opt`` ahead of the incumbent (by at least ``least`` of the noise and ``above``
         ms) but not beyond the noise (:meth:`_threshold`), or behind within it where ``raced`` (the racing put it
         beyond the noise; one trial can share a slow level)."""
-        b = self._gain_bounds(incumbent, opt, entries)
-        if b is None:
-            return bool(entries)  # every look so far was left out (a slow stretch): none has been had
-        g, se, _ = b
+        g, se, _ = self._gain_bounds(incumbent, opt, entries) or (0.0, 0.0, 0)
         thr = self._threshold(incumbent, opt, se)
         return max(0.0, least * thr, above) < g <= thr or raced and -self.opt.z * se < g <= 0
 

@@ -84,26 +84,11 @@ class Racing(rest_scaling.RestScaling):
                 if key not in self._cache:
                     inc = self._incumbent_trials(incumbent, n)
                     pts = sorted((x.position, v, len(x.step_samples)) for x in inc if (v := level(x)) is not None)
-                    raw = sorted(
-                        (x.position, statistics.median(v), 1) for x in inc if (v := self._score(x.slot_samples, slots))
-                    )
-                    usual = statistics.quantiles([v for _, v, _ in raw], n=4)[0] if len(raw) >= 4 else 0.0
-                    self._cache[key] = (
-                        self._track(inc, level),
-                        pts,
-                        [p for p, _, _ in pts],
-                        raw,
-                        [p for p, _, _ in raw],
-                        usual,
-                    )
+                    self._cache[key] = (self._track(inc, level), pts, [p for p, _, _ in pts])
                 tracks[n] = self._cache[key]
-            track, pts, pos, raw, raw_pos, usual = tracks[n]
+            track, pts, pos = tracks[n]
             if n > 1 and brackets.jumped(pts, pos, t.position):
                 continue  # the incumbent changed suddenly around this trial: what it did at that moment is unknown
-            # beyond 3 standard errors of a bracket's level too: on steps with a 20% spread, 10% is noise
-            margin = max(brackets.JUMP, 3 * self._sigma() * math.sqrt(math.pi / 2 / n))
-            if n > 1 and self.opt.skip_stretches and brackets.stretched(raw, raw_pos, t.position, usual, margin):
-                continue  # a slow stretch: a host-bound slot there hides GPU time (brackets.stretched)
             if norm:
                 score = self._score(self._scaled(t, norm), slots) or score
             ref = track(t.position)

@@ -113,11 +113,6 @@ class SearchOptions:
     # 1: the racing's standard errors add the level that a trial's steps share (engine/trial_effect.py): on real
     # dense steps 17 of 24 equal-world searches accepted a choice without it (simulated iid steps: 19 of 200)
     trial_noise: int = 1
-    # 1: a racing trial or fresh look taken while the incumbent ran well above its usual level in those slots on both
-    # sides (engine/brackets.py: ``stretched``) is left out, and the option is measured again later: in such a
-    # stretch a host-bound slot hides GPU time (real Gemma-like FP8 steps on H100: proj.fwd at 1.6x its level read a
-    # 0.27 ms delay as 0.005 ms, and the gain was left; the rest scaling had taken the stretch out of the noise)
-    skip_stretches: int = 1
     # 1: in a racing round a slot whose options all ran measures them again while the fullest slot's still run
     fill_slots: int = 1
     # fresh looks at a GEMM's leader at most: the first looks.RECHECKS are kept in the budget, later ones take its rest
@@ -169,7 +164,7 @@ class SearchOptions:
             raise ValueError(
                 f"later_look_least = {self.later_look_least}: must be in [0, 1] (a share of the threshold)"
             )
-        for k in ("changed_slots", "rest_norm", "trial_noise", "skip_stretches", "fill_slots"):
+        for k in ("changed_slots", "rest_norm", "trial_noise", "fill_slots"):
             if getattr(self, k) not in (0, 1):
                 raise ValueError(f"{k} = {getattr(self, k)}: must be 0 or 1")
         if self.clip_sds < 0:
