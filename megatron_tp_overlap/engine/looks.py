@@ -46,8 +46,9 @@ class Looks:
         # decide: 8 steps cannot tell 2.5% of a 6 ms slot at 2% noise (decision_sim iid seed 43 left 22% of its gain);
         # a third time where the racing rounds put it beyond the noise (locked seed 43: 0.127 +- 0.034 ms raced, 0.07
         # in 16 fresh steps against 0.086 needed, for a true 0.148); with the trials' own level counted
-        # (``trial_noise``), a second where the racing put it beyond the noise but one fresh trial behind within it
-        # (real Command-R-like steps: fc1_dgrad, truly 0.23 ms faster, measured 0.18 ms slower and was left), and a
+        # (``trial_noise``), a second where the racing put it beyond the noise but one fresh trial behind, within it or
+        # beyond (real Command-R-like steps: fc1_dgrad, truly 0.23 ms faster, measured 0.18 ms slower and was left; a
+        # trial at a slow moment reads a leader far behind: decision_sim burst seed 130), and a
         # third where its slots have a trial level (few fresh trials cannot tell then: decision_sim trial seed 149, a
         # true 0.144 ms measured 0.164 against 0.181 in two; a third look everywhere named a hostbound false winner)
         beyond = {x: self._beyond_noise(incumbent, x, race.raw.get(x, [])) for x in survivors}
@@ -100,11 +101,11 @@ class Looks:
         above: float = 0.0,
     ) -> bool:
         """Whether ``entries`` put ``opt`` ahead of the incumbent (by at least ``least`` of the noise and ``above``
-        ms) but not beyond the noise (:meth:`_threshold`), or behind within it where ``raced`` (the racing put it
-        beyond the noise; one trial can share a slow level)."""
+        ms) but not beyond the noise (:meth:`_threshold`), or behind at all where ``raced`` (the racing put it
+        beyond the noise; one trial can share a slow level, or catch a burst of slow steps)."""
         g, se, _ = self._gain_bounds(incumbent, opt, entries) or (0.0, 0.0, 0)
         thr = self._threshold(incumbent, opt, se)
-        return max(0.0, least * thr, above) < g <= thr or raced and -self.opt.z * se < g <= 0
+        return max(0.0, least * thr, above) < g <= thr or raced and g <= 0
 
     def _beyond_noise(self, incumbent: TuningConfig, opt: Option, entries: list) -> bool:
         b = self._gain_bounds(incumbent, opt, entries) if entries else None

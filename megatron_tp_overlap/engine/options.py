@@ -32,7 +32,7 @@ class TuneOptions:
     seconds: float = _opt(
         120.0,
         "Budget: wall seconds of tuning (a hard cap, the trial in flight included). A search ends early once nothing "
-        "left can pay for a switch: medians of 60-90 s on real H100 steps of four shapes.",
+        "left can pay for a switch: medians of 60-95 s on real H100 steps of four shapes.",
     )
     steps: int = _opt(
         0,

@@ -160,7 +160,8 @@ class Racing(rest_scaling.RestScaling):
         """Settles what the samples rule out; returns per GEMM its leader (option, gain, se). An option is settled
         when its gain + z se cannot beat the incumbent nor the leader's gain - z se; the leader, when nothing else
         of its GEMM is unsettled and it is beyond the noise either way. Only a re-measured option settles: one
-        screened step, at one moment, can be a slow one."""
+        screened step, at one moment, can be a slow one; so can one racing trial, and an option its screening put
+        ahead beyond the noise is ruled out only by ``settle_trials`` of them."""
         z = self.opt.z
         bounds = {o: b for o, e in race.raw.items() if (b := self._gain_bounds(incumbent, o, e))}
         leaders: dict[str, tuple[Option, float, float]] = {}
@@ -168,23 +169,34 @@ class Racing(rest_scaling.RestScaling):
             if o.gemm not in leaders or g > leaders[o.gemm][1]:
                 leaders[o.gemm] = (o, g, se)
         upside: dict[str, float] = {}
+
+        def screened(o: Option) -> tuple[float, float]:  # its gain from its screened step, and z of that's errors
+            s = race.screened.get(o)
+            return (-statistics.median(s), z * self._opt_sigma(incumbent, o) * 2**0.5) if s else (math.inf, 0.0)
+
+        def doubted(o: Option) -> bool:  # screened ahead beyond the noise, raced fewer than ``settle_trials`` times
+            g, e = screened(o)
+            return g - e > 0 and len(race.raw.get(o, ())) < self.opt.settle_trials
+
         for o in list(race.unsettled):
             lead = leaders.get(o.gemm)
-            if o not in bounds:  # screened only: its optimistic gain from that one step
-                s = race.screened.get(o)
-                ucb = (-statistics.median(s) + z * self._opt_sigma(incumbent, o) * 2**0.5) if s else math.inf
+            if o not in bounds:
+                ucb = sum(screened(o))
             else:
                 g, se, n = bounds[o]
                 ucb = g + z * se
                 floor = 0.0 if lead is None or lead[0] == o else lead[1] - z * lead[2]
-                if ucb <= max(0.0, floor) or n >= self.opt.race_samples:
+                if n >= self.opt.race_samples or ucb <= max(0.0, floor) and not doubted(o):
                     race.unsettled.pop(o, None)
                     continue
+                if doubted(o):  # one trial at one moment cannot rule out what the screening saw beyond its noise
+                    ucb = max(ucb, sum(screened(o)))
             held = max(0.0, lead[1]) if lead else 0.0
             upside[o.gemm] = max(upside.get(o.gemm, 0.0), ucb - held)
         for gemm, (o, g, se) in leaders.items():  # a leader alone, beyond the noise either way, is settled
             alone = not any(x.gemm == gemm and x != o for x in race.unsettled)
-            if o in race.unsettled and alone and (g - z * se > 0 or g + z * se <= 0):
+            behind = g + z * se <= 0 and not doubted(o)
+            if o in race.unsettled and alone and (g - z * se > 0 or behind):
                 race.unsettled.pop(o, None)
                 upside.pop(gemm, None)
         race.upside_ms = sum(upside.values())

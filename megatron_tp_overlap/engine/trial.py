@@ -91,6 +91,11 @@ class SearchOptions:
     keep: int = 1  # options per GEMM that survive screening
     halving_steps: int = 4  # measured steps per trial of the racing rounds (engine/racing.py)
     race_samples: int = 24  # an option measured this often settles (options of equal cost never separate)
+    # racing trials (moments) before an option its screening put ahead beyond the noise can be ruled out: on real
+    # Gemma-like FP8 steps on H100 one 4-step trial at a slow moment read a proj_fprop truly 0.31 ms faster as 0.22 ms
+    # slower, its screening had seen it, and the racing stopped with the gain left (seeds 21304, 21314;
+    # benchmarks/results/2026-11-27_h100x4/)
+    settle_trials: int = 2
     recheck_steps: int = 8  # fresh steps of each GEMM's leader, the only ones that accept it
     bracket_every: int = 4  # the incumbent runs again after this many trials (drift is interpolated between)
     block_steps: int = 3  # measured steps per block of the final decision (block value: their median); fewer
@@ -143,6 +148,7 @@ class SearchOptions:
             "keep",
             "halving_steps",
             "race_samples",
+            "settle_trials",
             "recheck_steps",
             "bracket_every",
             "block_steps",

@@ -4,7 +4,7 @@ A simulated GPT layer stack (qkv/proj/fc1/fc2, 12 GEMMs) where every config's tr
 what real trial steps show (H200, Megatron-LM): per-slot GPU noise, host jitter on the step, a step time that drifts
 (ramp) or jumps (+25% for a third of the budget), a periodic slow step, the power limit's clock oscillation (measured:
 benchmarks/results/2026-11-23_h200x1/trial_noise/), free-running or restarting in phase after every switch
-(../verify_noise/). Per seed a few options of a few GEMMs are truly faster (together ``gain`` of the step), or none is
+(../verify_noise/), and a host-bound forward caught by a burst of slow steps for a whole trial (burst). Per seed a few options of a few GEMMs are truly faster (together ``gain`` of the step), or none is
 (``equal``). The search runs on it unchanged (:class:`~engine.search.Searcher` with the default options) and is
 scored by the true cost of what it chose:
 
@@ -23,13 +23,13 @@ import itertools
 import math
 import random
 import statistics
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from megatron_tp_overlap.engine.exhaustive import BENCHMARK_EXHAUSTIVE
 from megatron_tp_overlap.engine.search import Measurement, Searcher, SearchOptions
 from megatron_tp_overlap.engine.space import Option, TuningConfig, all_off, apply, build_space, is_valid
 from megatron_tp_overlap.engine.topology import Topology
+from megatron_tp_overlap.tools.research.disturbances import BURST, STEP_MS, disturbance
 from megatron_tp_overlap.ub.config import UbConfig
 from megatron_tp_overlap.ub.rules import ValidationContext
 
@@ -40,13 +40,12 @@ TOPO = Topology(
     layers=4,
 )
 SLOTS = TOPO.slots()
-STEP_MS = 100.0  # reference step
 GEMM_MS = 3.0  # each of the 12 GEMMs (+ its communication) under the reference: 36 ms of the step in slots
 OFF_MS = 4.5  # a GEMM with overlap off
-SLOT_NOISE = 0.005  # relative GPU noise per slot and step
 DISTURBED_STEPS = 400  # the steps the disturbances are laid over (jump: its middle third), where searches run (140-200)
 SCENARIOS = (
-    "iid", "ramp", "jump", "periodic", "position", "jitter", "power", "locked", "hostbound", "trial", "trial_wide"
+    "iid", "ramp", "jump", "periodic", "position", "jitter", "power", "locked", "hostbound", "trial", "trial_wide",
+    "burst",
 )  # fmt: skip
 # "trial": each trial's slots sit apart from the last trial's, alike for its steps (host work, clocks after a gap), the
 # forwards more: what real dense steps showed (results/2026-11-26_h200x2b/: 17 of 24 equal worlds accepted a choice)
@@ -95,46 +94,6 @@ def make_world(space: dict[str, list[Option]], gain: float, rng: random.Random, 
     return World(fast)
 
 
-def disturbance(
-    scenario: str, span_steps: int, phase: float = 0.0
-) -> Callable[[int, int, random.Random], tuple[float, float, float]]:
-    """Per step (index since tuning began, index since the last switch): (factor on GPU time, extra host ms on
-    the step, relative GPU noise per slot)."""
-
-    slow = [False]  # hostbound: in a slow stretch
-
-    def f(i: int, since: int, rng: random.Random) -> tuple[float, float, float]:
-        if scenario == "hostbound":  # MoE steps (alltoall dispatcher): the GPU waits for the host inside the layers,
-            # in stretches of a few steps, heavy tails both ways. Fitted to the final decisions on Qwen3-MoE-like steps
-            # on one H100 (benchmarks/results/2026-11-25_h100x1/): ABBA quadruple gains spread 0.81% of a step (robust
-            # sd; sd 1.09%, 5-95% -1.6 to +1.8%); here 0.85% (1.03%, -1.8 to +1.6%)
-            slow[0] = rng.random() < (0.6 if slow[0] else 0.04)
-            burst = rng.uniform(0.03, 0.15) if slow[0] else 0.0
-            return 1 + burst + 0.022 * rng.gauss(0, 1) / max(0.25, abs(rng.gauss(0, 1))) ** 0.5, 0.0, 0.01
-        if scenario == "iid":  # 2% GPU noise per slot and step
-            return 1.0, 0.0, 0.02
-        if scenario == "ramp":  # 0.03% faster per step (clocks, caches warming up): what is measured late looks fast
-            return 1 - 3e-4 * i, 0.0, SLOT_NOISE
-        if scenario == "jump":  # +25% for the middle third of the disturbed steps
-            return (1.25 if span_steps / 3 <= i < 2 * span_steps / 3 else 1.0), 0.0, SLOT_NOISE
-        if scenario == "periodic":  # every 7th step 15% slower (a GC, a logger, a data loader)
-            return (1.15 if i % 7 == 3 else 1.0), 0.0, SLOT_NOISE
-        if scenario == "position":  # after a switch: 1% slower per step (clocks settle), the 3rd step 8% slower
-            return 1 + 0.01 * min(since, 4) + (0.08 if since == 2 else 0.0), 0.0, SLOT_NOISE
-        if scenario == "jitter":  # 2% host jitter on the step; a host-bound GPU waits inside the layers too
-            return 1.0, rng.gauss(0, 0.02 * STEP_MS), 0.02
-        if scenario == "power":  # the power limit moving the clocks: +-1.5% with a period of 4.5 steps (H200, measured)
-            return 1 + 0.015 * math.sin(2 * math.pi * i / 4.5 + phase), 0.0, SLOT_NOISE
-        if scenario == "locked":  # the same oscillation restarting in phase after every switch's idle gap, 1.3% noise
-            # (real Megatron-LM iterations on H200: the 3rd-4th step after a switch ~3% slower than the 1st-2nd)
-            return 1 + 0.017 * math.sin(2 * math.pi * (since - 1.5) / 4), 0.0, 0.013
-        if scenario not in ("trial", "trial_wide"):  # their trials' own levels (and trial_wide's noise): SimulatedRun's
-            raise ValueError(f"unknown scenario {scenario!r}")
-        return 1.0, 0.0, SLOT_NOISE
-
-    return f
-
-
 class SimulatedRun:
     """``evaluate`` for the searcher: steps of a config under the scenario's disturbances. Seconds = steps x 0.1 (a
     100 ms step, warm-ups included; no switch or host cost), so the default 120 s budget holds 1200 steps."""
@@ -146,6 +105,7 @@ class SimulatedRun:
         self.disturb = disturbance(scenario, span_steps, phase)
         self.wide = WIDE if scenario == "trial_wide" else {}
         self.trial_sd = {"trial": TRIAL_SD, "trial_wide": {s: v[2] for s, v in WIDE.items()}}.get(scenario)
+        self.burst = scenario == "burst"
 
     def __call__(self, config: TuningConfig, steps: int, warmup: int) -> Measurement:
         if config != self.live:
@@ -158,6 +118,12 @@ class SimulatedRun:
         cost = self.costs[config]
         if self.trial_sd:  # this trial's own level per slot (scenarios "trial", "trial_wide")
             cost = {s: v * (1 + self.rng.gauss(0, self.trial_sd[s])) for s, v in cost.items()}
+        if self.burst:  # a forward caught by a burst of slow steps for the whole trial
+            p, lo, hi = BURST
+            cost = {
+                s: v * (1 + self.rng.uniform(lo, hi)) if s.endswith("fwd") and self.rng.random() < p else v
+                for s, v in cost.items()
+            }
         slots: dict[str, list[float]] = {s: [] for s in SLOTS}
         step_ms = []
         for _ in range(steps):

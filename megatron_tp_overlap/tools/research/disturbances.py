@@ -1,0 +1,58 @@
+"""The disturbances of decision_sim's scenarios (tools/research/decision_sim.py): what real trial steps show, per
+step, laid over a simulated run's true costs."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable
+
+STEP_MS = 100.0  # reference step
+SLOT_NOISE = 0.005  # relative GPU noise per slot and step
+# "burst": a host-bound forward caught by a burst of slow steps for a whole trial, between trials that were not: per
+# trial, each forward slot with probability 5% runs 30-100% slower (real Gemma-2-27B-like FP8 steps on one H100, seed
+# 21304: proj.fwd at 0.92 ms in the one racing trial of an option truly 0.31 ms faster, between incumbent trials at
+# 0.71 and 0.81 ms; results/2026-11-27_h100x4/); (probability, least, most)
+BURST = (0.05, 0.3, 1.0)
+
+
+def disturbance(
+    scenario: str, span_steps: int, phase: float = 0.0
+) -> Callable[[int, int, random.Random], tuple[float, float, float]]:
+    """Per step (index since tuning began, index since the last switch): (factor on GPU time, extra host ms on
+    the step, relative GPU noise per slot)."""
+
+    slow = [False]  # hostbound: in a slow stretch
+
+    def f(i: int, since: int, rng: random.Random) -> tuple[float, float, float]:
+        if scenario == "hostbound":  # MoE steps (alltoall dispatcher): the GPU waits for the host inside the layers,
+            # in stretches of a few steps, heavy tails both ways. Fitted to the final decisions on Qwen3-MoE-like steps
+            # on one H100 (benchmarks/results/2026-11-25_h100x1/): ABBA quadruple gains spread 0.81% of a step (robust
+            # sd; sd 1.09%, 5-95% -1.6 to +1.8%); here 0.85% (1.03%, -1.8 to +1.6%)
+            slow[0] = rng.random() < (0.6 if slow[0] else 0.04)
+            burst = rng.uniform(0.03, 0.15) if slow[0] else 0.0
+            return 1 + burst + 0.022 * rng.gauss(0, 1) / max(0.25, abs(rng.gauss(0, 1))) ** 0.5, 0.0, 0.01
+        if scenario == "iid":  # 2% GPU noise per slot and step
+            return 1.0, 0.0, 0.02
+        if scenario == "ramp":  # 0.03% faster per step (clocks, caches warming up): what is measured late looks fast
+            return 1 - 3e-4 * i, 0.0, SLOT_NOISE
+        if scenario == "jump":  # +25% for the middle third of the disturbed steps
+            return (1.25 if span_steps / 3 <= i < 2 * span_steps / 3 else 1.0), 0.0, SLOT_NOISE
+        if scenario == "periodic":  # every 7th step 15% slower (a GC, a logger, a data loader)
+            return (1.15 if i % 7 == 3 else 1.0), 0.0, SLOT_NOISE
+        if scenario == "position":  # after a switch: 1% slower per step (clocks settle), the 3rd step 8% slower
+            return 1 + 0.01 * min(since, 4) + (0.08 if since == 2 else 0.0), 0.0, SLOT_NOISE
+        if scenario == "jitter":  # 2% host jitter on the step; a host-bound GPU waits inside the layers too
+            return 1.0, rng.gauss(0, 0.02 * STEP_MS), 0.02
+        if scenario == "power":  # the power limit moving the clocks: +-1.5% with a period of 4.5 steps (H200, measured)
+            return 1 + 0.015 * math.sin(2 * math.pi * i / 4.5 + phase), 0.0, SLOT_NOISE
+        if scenario == "locked":  # the same oscillation restarting in phase after every switch's idle gap, 1.3% noise
+            # (real Megatron-LM iterations on H200: the 3rd-4th step after a switch ~3% slower than the 1st-2nd)
+            return 1 + 0.017 * math.sin(2 * math.pi * (since - 1.5) / 4), 0.0, 0.013
+        if scenario == "burst":  # 2% GPU noise per slot and step; SimulatedRun adds each trial's bursts (BURST)
+            return 1.0, 0.0, 0.02
+        if scenario not in ("trial", "trial_wide"):  # their trials' own levels (and trial_wide's noise): SimulatedRun's
+            raise ValueError(f"unknown scenario {scenario!r}")
+        return 1.0, 0.0, SLOT_NOISE
+
+    return f
