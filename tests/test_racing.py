@@ -258,3 +258,11 @@ def test_a_leader_the_racing_put_ahead_gets_a_second_look_after_one_far_behind()
     now gets a second: +0.72 ms, and the whole gain is taken."""
     out = sim.run_once("burst", sim.seed_gain(130), sim.GAIN_SEED + 130)
     assert out.choices["fc1_fprop"]["per_look_ms"] == [-0.3681, 0.7221] and out.realized == 1.0, out
+
+
+def test_a_look_left_out_is_replaced_for_a_leader_the_racing_put_ahead():
+    """decision_sim ``burst`` seed 192: fc2_fprop, truly 0.75 ms faster and raced beyond the noise, read -1.37 ms (a
+    burst) and +0.75 ms in two fresh looks; the third was left out (the incumbent's level jumped around it), so the
+    two decided (-0.30 ms, not accepted: 65.7%). A leader the racing put ahead now gets looks until three count."""
+    out = sim.run_once("burst", sim.seed_gain(192), sim.GAIN_SEED + 192)
+    assert out.choices["fc2_fprop"]["per_look_ms"] == [-1.3674, 0.7509, 0.7342] and out.realized == 1.0, out

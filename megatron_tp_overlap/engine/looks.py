@@ -4,7 +4,8 @@ Only fresh samples accept a leader, so that the luckiest of many raced estimates
 first look always runs; a second and a third, kept in the budget, only while a leader is inconclusive; later ones (up
 to ``SearchOptions.max_looks``) take what the budget has left once the final decision and what precedes it are kept,
 and only for a leader ahead (at least ``later_look_least`` of the way to the noise; 0 by default: any share) and by a
-quarter of a gain worth a switch. Every choice still goes through the final decision.
+quarter of a gain worth a switch, or one the racing put ahead beyond the noise while fewer than three of its looks
+count. Every choice still goes through the final decision.
 """
 
 from __future__ import annotations
@@ -66,12 +67,19 @@ class Looks:
         # fc1_wgrad, 0.36 ms in its fourth)
         hit, kept = (self.budget_hit, self.limit_hit), lambda: self._kept(decision_cost(), contenders, 0)
         worth = o.rel_floor * self._step_level(incumbent) / 4  # a quarter of a gain worth a switch: not 0.02 ms of 100
+
+        def short(x: Option) -> bool:  # raced beyond the noise, with fewer than RECHECKS looks that count (one whose
+            # incumbent jumped around it is left out: decision_sim burst seed 192's third, so -1.37 and +0.75 decided)
+            return (
+                beyond[x] and bool(o.trial_noise) and len(self._relative_trials(incumbent, x, raw_fresh[x])) < RECHECKS
+            )
+
         for _ in range(RECHECKS, o.max_looks):
             again = [
                 x
                 for x in survivors
                 if x in raw_fresh
-                and self._inconclusive(incumbent, x, raw_fresh[x], least=o.later_look_least, above=worth)
+                and self._inconclusive(incumbent, x, raw_fresh[x], short(x), o.later_look_least, worth)
             ]
             if not again or self._measure_options("recheck", incumbent, again, o.recheck_steps, raw_fresh, kept):
                 break
