@@ -266,3 +266,13 @@ def test_a_look_left_out_is_replaced_for_a_leader_the_racing_put_ahead():
     two decided (-0.30 ms, not accepted: 65.7%). A leader the racing put ahead now gets looks until three count."""
     out = sim.run_once("burst", sim.seed_gain(192), sim.GAIN_SEED + 192)
     assert out.choices["fc2_fprop"]["per_look_ms"] == [-1.3674, 0.7509, 0.7342] and out.realized == 1.0, out
+
+
+def test_a_racing_trial_far_slower_than_the_options_others_is_set_aside():
+    """decision_sim ``burst`` seed 79: qkv_fprop's true option (0.41 ms faster) read 3.43, 2.59, 5.15, 4.48 and 2.61 ms
+    in its five racing trials (the incumbent 2.9-3.1): three caught a burst, the median of all its samples put it
+    behind, and another option led the GEMM (64.6%). A trial more than 4 standard errors slower than the median of
+    the option's trials is set aside (GPU slowdowns are one-sided); the right option leads, and the whole gain is
+    taken."""
+    out = sim.run_once("burst", sim.seed_gain(79), sim.GAIN_SEED + 79)
+    assert out.choices["qkv_fprop"]["option"] == "ring_exchange agg no_ce" and out.realized == 1.0, out
