@@ -18,8 +18,8 @@ reference, false winners where every config costs the same. Userbuffers' own noi
 it: that needs a multi-GPU run.
 
 Runs alternate between seeds with a gain and ``equal`` seeds until ``--runs`` or ``--minutes`` is reached; each run's
-result is written as it ends (``search_on_real_steps.json``), and the table is printed last. ``--runs 1 --repeat N``: one
-world searched N times (a worst seed, again: is it the world or the moment?). ``--preset``: worlds with
+result is written as it ends (``search_on_real_steps.json``), and the table is printed last. ``--runs 1 --repeat N``:
+one world searched N times (a worst seed, again: is it the world or the moment?). ``--preset``: worlds with
 2-3 truly faster options and a preset-like whole config among the contenders, between the reference and the best (as
 ``decision_sim --preset``; on H200 the closest NeMo preset ran 1-2% behind the best config). ``--variants
 select_passes=1 select_passes=3`` (or ``--select-passes 1 3``): each seed searched once per variant of the search

@@ -149,10 +149,10 @@ class Racing(rest_scaling.RestScaling):
         (one-sided; decision_sim burst seed 79: 3 of 5 trials, and the median of all samples put a 0.41 ms gain
         behind)."""
         per = self._relative_trials(incumbent, opt, entries)
+        sig, tau = self._opt_sigma(incumbent, opt), self._opt_tau(incumbent, opt)
         if len(per) >= 3:  # a trial far slower than the option's others caught a burst of slow steps
             meds = [statistics.median(d) for d, _ in per]
             mid = statistics.median(meds)
-            sig, tau = self._opt_sigma(incumbent, opt), self._opt_tau(incumbent, opt)
             per = [
                 x
                 for x, m in zip(per, meds)
@@ -163,9 +163,9 @@ class Racing(rest_scaling.RestScaling):
             return None
         n = len(rel)
         var = 1 / n + sum((len(d) / n) ** 2 * vr for d, vr in per)
-        se2 = self._opt_sigma(incumbent, opt) ** 2 * math.pi / 2 * var
+        se2 = sig**2 * math.pi / 2 * var
         if self.opt.trial_noise:  # what each trial's steps share (engine/trial_effect.py)
-            se2 += self._opt_tau(incumbent, opt) ** 2 * trial_effect.trial_weight((len(d), n, vr) for d, vr in per)
+            se2 += tau**2 * trial_effect.trial_weight((len(d), n, vr) for d, vr in per)
         return -statistics.median(rel), math.sqrt(se2), n
 
     def _settle(self, incumbent: TuningConfig, race: Race) -> dict[str, tuple[Option, float, float]]:
