@@ -9,6 +9,7 @@ import pytest
 from budgets import at_60
 from test_search import CTX, Synthetic, setup
 
+from megatron_tp_overlap.engine import brackets
 from megatron_tp_overlap.engine.report import build_report
 from megatron_tp_overlap.engine.search import Searcher, SearchOptions
 from megatron_tp_overlap.engine.space import apply
@@ -276,3 +277,23 @@ def test_a_racing_trial_far_slower_than_the_options_others_is_set_aside():
     taken."""
     out = sim.run_once("burst", sim.seed_gain(79), sim.GAIN_SEED + 79)
     assert out.choices["qkv_fprop"]["option"] == "ring_exchange agg no_ce" and out.realized == 1.0, out
+
+
+def test_a_gap_between_brackets_within_their_own_trial_noise_is_no_jump():
+    """A 10% gap between the incumbent's trials around an option's trial is a jump (the trials between are left out)
+    only where its trials do not sit that far apart on their own: at a 22% trial level, 3 sd of two trials' difference
+    (93% of the level)."""
+    pts = [(0.0, 1.0, 4), (2.0, 1.3, 4)]
+    assert brackets.jump_for(0.0, 1.0) == brackets.JUMP and brackets.jump_for(0.1, 0.0) == brackets.JUMP
+    assert round(brackets.jump_for(0.22, 1.0), 4) == 0.9334
+    assert brackets.jumped(pts, [0.0, 2.0], 1.0) and not brackets.jumped(pts, [0.0, 2.0], 1.0, 0.9334)
+
+
+@pytest.mark.parametrize("seed, fixed", [(1, 0.0), (6, 0.614), (40, 0.427)])
+def test_a_slot_whose_trials_sit_far_apart_keeps_its_trials_and_looks_and_takes_the_gain(seed, fixed, monkeypatch):
+    """decision_sim hostfwd (real Gemma-like FP8 steps at a noisy moment: proj.fwd's trials 22% apart): with the fixed
+    10% jump threshold most of proj.fwd's trials and looks were left out (seed 6: 1 of 5 looks at the true leader
+    counted) and its proj_fprop gain was left; a threshold from the slot's own trial level takes every one of these."""
+    assert sim.run_once("hostfwd", sim.seed_gain(seed), sim.GAIN_SEED + seed).realized == 1.0
+    monkeypatch.setattr(brackets, "JUMP_SDS", 0.0)
+    assert round(sim.run_once("hostfwd", sim.seed_gain(seed), sim.GAIN_SEED + seed).realized, 3) == fixed

@@ -129,3 +129,20 @@ def test_a_leader_whose_slots_have_a_trial_level_gets_a_third_fresh_look():
     worst 82.4 -> 100%; hostbound, where a third look everywhere named a false winner, unchanged)."""
     out = sim.run_once("trial", random.Random(149).uniform(0.005, 0.05), 1000 + 149, at_60())
     assert out.realized == 1.0 and out.excess < 0 and not out.handed
+
+
+def test_decision_sims_hostfwd_is_spread_as_the_real_gemma_like_fp8_steps_were():
+    """``hostfwd`` (results/2026-11-27_h100x2/, seed 21360: proj.fwd's trial level 21.9%, its step spread 9.7%, as the
+    search reported them): the search's own report on it says the same within a third; the backwards share no level."""
+    from megatron_tp_overlap.engine.report import build_report
+
+    space = build_space(sim.TOPO, sim.CTX, [UbConfig()])
+    ref = TuningConfig(UbConfig(), frozenset(), "reference")
+    rng = random.Random(5000)
+    run = sim.SimulatedRun(sim.make_world(space, 0.0, rng), "hostfwd", rng)
+    res = Searcher(sim.TOPO, space, run, sim.CTX).run(ref, {"no overlap": all_off(sim.TOPO, ref)})
+    per_slot = build_report(res, sim.TOPO, {})["search"]["per_slot"]
+    assert (
+        15.0 < per_slot["proj.fwd"]["trial_level_pct"] < 29.0 and 6.5 < per_slot["proj.fwd"]["step_spread_pct"] < 13.0
+    )
+    assert all(r["trial_level_pct"] == 0.0 for s, r in per_slot.items() if s.endswith("bwd")), per_slot

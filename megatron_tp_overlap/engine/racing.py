@@ -73,9 +73,9 @@ class Racing(rest_scaling.RestScaling):
         """Per trial of ``entries``: its relative samples (:meth:`_relative`) and the variance of the incumbent's
         interpolated level there, in units of one sample's: ``w^2 / n0 + (1 - w)^2 / n1`` for the weights and sample
         counts of the incumbent trials on either side (a trial right after a bracket leans on that bracket alone)."""
-        slots = self._slots_of(opt)
+        slots, out, norm, tau = self._slots_of(opt), [], self._rest_norm(incumbent), self._opt_tau(incumbent, opt)
         tracks: dict[int, tuple] = {}  # per step count: the shared cache is looked up once per call, not per trial
-        out, norm = [], self._rest_norm(incumbent)
+        jump = brackets.jump_for(tau * self.opt.trial_noise, self._incumbent_level(incumbent, opt))
         level = lambda x: statistics.median(v) if (v := self._score(self._scaled(x, norm), slots)) else None  # noqa: E731
         for t, score in entries:
             n = len(t.step_samples)
@@ -87,7 +87,7 @@ class Racing(rest_scaling.RestScaling):
                     self._cache[key] = (self._track(inc, level), pts, [p for p, _, _ in pts])
                 tracks[n] = self._cache[key]
             track, pts, pos = tracks[n]
-            if n > 1 and brackets.jumped(pts, pos, t.position):
+            if n > 1 and brackets.jumped(pts, pos, t.position, jump):
                 continue  # the incumbent changed suddenly around this trial: what it did at that moment is unknown
             if norm:
                 score = self._score(self._scaled(t, norm), slots) or score

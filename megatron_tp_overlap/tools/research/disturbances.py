@@ -51,7 +51,7 @@ def disturbance(
             return 1 + 0.017 * math.sin(2 * math.pi * (since - 1.5) / 4), 0.0, 0.013
         if scenario == "burst":  # 2% GPU noise per slot and step; SimulatedRun adds each trial's bursts (BURST)
             return 1.0, 0.0, 0.02
-        if scenario not in ("trial", "trial_wide"):  # their trials' own levels (and trial_wide's noise): SimulatedRun's
+        if scenario not in ("trial", "trial_wide", "hostfwd"):  # their trials' own levels (and noise): SimulatedRun's
             raise ValueError(f"unknown scenario {scenario!r}")
         return 1.0, 0.0, SLOT_NOISE
 
