@@ -94,12 +94,13 @@ def test_the_default_budget_and_later_looks_take_the_trial_level_gains_that_60_s
     at fc1.bwd errs by 0.24-0.28 ms there, so a 0.3 ms gain needs about 8 looks. At 60 s, with later looks only for a
     leader half-way to its threshold and 6 at most, seeds 66, 28, 198 and 89 took 47-60% of their gains; at the
     defaults (120 s, up to 20 looks, later ones for any leader ahead) each takes all of it within the budget (200
-    seeds: 8 -> 2 below 80%). Seeds 49 and 43 stay short: their fc1.bwd leader's looks fell behind, or it never led."""
+    seeds: 8 -> 2 below 80%). Seed 43 stays short: its fc1.bwd leader never led (49 is taken since a leader that cannot
+    tell yet races on: tests/test_racing.py)."""
     for seed, then in ((66, 0.469), (28, 0.488), (198, 0.57), (89, 0.597)):
         gain = sim.seed_gain(seed)
         before = sim.run_once("trial_wide", gain, sim.GAIN_SEED + seed, at_60())
         after = sim.run_once("trial_wide", gain, sim.GAIN_SEED + seed)
         assert round(before.realized, 3) == then and after.realized == 1.0, (seed, before, after)
         assert after.excess < 0 and after.seconds <= SearchOptions().max_seconds == 120, seed
-    for seed, left in ((49, 0.69), (43, 0.78)):
+    for seed, left in ((43, 0.78),):
         assert round(sim.run_once("trial_wide", sim.seed_gain(seed), sim.GAIN_SEED + seed).realized, 3) == left

@@ -297,3 +297,21 @@ def test_a_slot_whose_trials_sit_far_apart_keeps_its_trials_and_looks_and_takes_
     assert sim.run_once("hostfwd", sim.seed_gain(seed), sim.GAIN_SEED + seed).realized == 1.0
     monkeypatch.setattr(brackets, "JUMP_SDS", 0.0)
     assert round(sim.run_once("hostfwd", sim.seed_gain(seed), sim.GAIN_SEED + seed).realized, 3) == fixed
+
+
+def test_a_leader_that_cannot_tell_yet_races_on_past_race_samples_and_takes_the_gain():
+    """decision_sim trial_wide seed 49: its GEMM's leader settled at ``race_samples`` (24) while 2.5 standard errors
+    were still wider than a gain worth a switch, the search stopped early and took 69.0%; racing such a leader on (to
+    ``wide_leader_samples``) takes all of it."""
+    gain, seed = sim.seed_gain(49), sim.GAIN_SEED + 49
+    assert sim.run_once("trial_wide", gain, seed).realized == 1.0
+    assert round(sim.run_once("trial_wide", gain, seed, SearchOptions(wide_leader_samples=24)).realized, 3) == 0.69
+
+
+@pytest.mark.parametrize("seed", [35, 126, 178])
+def test_looks_after_the_third_accept_only_beyond_a_higher_threshold(seed):
+    """Equal decision_sim trial_wide worlds: looks 4-20 test a leader again and again (178: fc1_dgrad crossed 2.5
+    standard errors on its 11th look); at z = 2.5 from the fourth look on these named a false winner, at 2.5 + ``late_z``
+    they keep the reference."""
+    assert not sim.run_once("trial_wide", 0.0, sim.EQUAL_SEED + seed).false_winner
+    assert sim.run_once("trial_wide", 0.0, sim.EQUAL_SEED + seed, SearchOptions(late_z=0.0)).false_winner

@@ -386,6 +386,10 @@ def test_options_are_validated():
         SearchOptions(changed_slots=2)
     with pytest.raises(ValueError, match=r"later_look_least = -0.5: must be in \[0, 1\]"):
         SearchOptions(later_look_least=-0.5)
+    with pytest.raises(ValueError, match="late_z = -1: must be >= 0"):
+        SearchOptions(late_z=-1)
+    with pytest.raises(ValueError, match="wide_leader_samples = 0: must be >= 1"):
+        SearchOptions(wide_leader_samples=0)
     assert SearchOptions(max_steps=0).steps_left(10**9) == float("inf")  # 0: no step limit
 
 
@@ -660,6 +664,6 @@ def test_a_decision_within_the_noise_says_what_seeing_a_1pct_gain_would_take():
         at_60(max_steps=10_000, max_seconds=1e9),
     ).run(ref, base)
     assert res.best_name == "reference" and "within the noise" in res.reason, res.reason
-    assert "steps are noisy (+-1.9% of a step after 24 quadruples): a gain of 1% of a step would need about 84" in (
+    assert "steps are noisy (+-1.7% of a step after 24 quadruples): a gain of 1% of a step would need about 71" in (
         res.reason
     )

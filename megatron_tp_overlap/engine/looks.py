@@ -112,16 +112,18 @@ class Looks:
         ms) but not beyond the noise (:meth:`_threshold`), or behind at all where ``raced`` (the racing put it
         beyond the noise; one trial can share a slow level, or catch a burst of slow steps)."""
         g, se, _ = self._gain_bounds(incumbent, opt, entries) or (0.0, 0.0, 0)
-        thr = self._threshold(incumbent, opt, se)
+        thr = self._threshold(incumbent, opt, se, len(entries))
         return max(0.0, least * thr, above) < g <= thr or raced and g <= 0
 
     def _beyond_noise(self, incumbent: TuningConfig, opt: Option, entries: list) -> bool:
         b = self._gain_bounds(incumbent, opt, entries) if entries else None
         return b is not None and b[0] - self.opt.z * b[1] > 0
 
-    def _threshold(self, incumbent: TuningConfig, opt: Option, se: float) -> float:
-        """The gain a re-checked leader must beat: z standard errors, and a gain worth a switch."""
-        return max(self.opt.z * se, self.opt.rel_floor * self._incumbent_level(incumbent, opt))
+    def _threshold(self, incumbent: TuningConfig, opt: Option, se: float, looks: int = 1) -> float:
+        """The gain a re-checked leader must beat after ``looks`` fresh looks: z standard errors (``late_z`` more from
+        the fourth look on), and a gain worth a switch."""
+        z = self.opt.z + (self.opt.late_z if looks > RECHECKS else 0.0)
+        return max(z * se, self.opt.rel_floor * self._incumbent_level(incumbent, opt))
 
     def recheck_work(self) -> Work:
         """The fresh re-measurement of each GEMM's leader: a leading bracket, a trial per GEMM of the fullest

@@ -174,7 +174,7 @@ class Racing(rest_scaling.RestScaling):
         of its GEMM is unsettled and it is beyond the noise either way. Only a re-measured option settles: one
         screened step, at one moment, can be a slow one; so can one racing trial, and an option its screening put
         ahead beyond the noise is ruled out only by ``settle_trials`` of them."""
-        z = self.opt.z
+        z, worth = self.opt.z, self.opt.rel_floor * self._step_level(incumbent)
         bounds = {o: b for o, e in race.raw.items() if (b := self._gain_bounds(incumbent, o, e))}
         leaders: dict[str, tuple[Option, float, float]] = {}
         for o, (g, se, _) in bounds.items():
@@ -198,7 +198,9 @@ class Racing(rest_scaling.RestScaling):
                 g, se, n = bounds[o]
                 ucb = g + z * se
                 floor = 0.0 if lead is None or lead[0] == o else lead[1] - z * lead[2]
-                if n >= self.opt.race_samples or ucb <= max(0.0, floor) and not doubted(o):
+                wide = lead is not None and lead[0] == o and z * se > worth  # a leader that cannot tell yet
+                cap = self.opt.wide_leader_samples if wide else self.opt.race_samples
+                if n >= cap or ucb <= max(0.0, floor) and not doubted(o):
                     race.unsettled.pop(o, None)
                     continue
                 if doubted(o):  # one trial at one moment cannot rule out what the screening saw beyond its noise
@@ -245,7 +247,8 @@ class Racing(rest_scaling.RestScaling):
             if race.upside_ms < worth:
                 break
             # later the least measured first (the best-screened among equals)
-            queue = sorted(race.unsettled, key=lambda x: self._queue_key(x, race))
+            measured = lambda x: sum(len(s) for _, s in race.raw.get(x, []))  # noqa: E731
+            queue = sorted(race.unsettled, key=lambda x: (measured(x), statistics.median(screened[x])))
             # these rounds end at the reserve by design (race.ended says so): the budget has not cut the search short
             hit = self.budget_hit, self.limit_hit
             untried = self._measure_options("halving", incumbent, queue, o.halving_steps, race.raw, full, o.fill_slots)
@@ -297,9 +300,6 @@ class Racing(rest_scaling.RestScaling):
         trials = max(per_slot.values(), default=0)
         trials += math.ceil(trials / self.opt.bracket_every)
         return self._seconds(Work(trials * (self.opt.halving_steps + self.opt.warmup_steps), trials))
-
-    def _queue_key(self, x: Option, race: Race) -> tuple[int, float]:
-        return sum(len(s) for _, s in race.raw.get(x, [])), statistics.median(race.screened[x])
 
     def _sigma(self, slot: str | None = None) -> float:
         """The relative spread of one step of a slot (:func:`stats.pooled_sigma`, positional) over every trial's slot

@@ -91,6 +91,10 @@ class SearchOptions:
     keep: int = 1  # options per GEMM that survive screening
     halving_steps: int = 4  # measured steps per trial of the racing rounds (engine/racing.py)
     race_samples: int = 24  # an option measured this often settles (options of equal cost never separate)
+    # ... but a GEMM's leader whose interval (z standard errors) is still wider than a gain worth a switch races on to
+    # this many: decision_sim trial_wide seed 49 (69.0 -> 100%: its leader had settled at 24 samples with the search
+    # stopped early); with ``late_z`` (without it trial_wide named 2.0% false winners)
+    wide_leader_samples: int = 96
     # racing trials (moments) before an option its screening put ahead beyond the noise can be ruled out: on real
     # Gemma-like FP8 steps on H100 one 4-step trial at a slow moment read a proj_fprop truly 0.31 ms faster as 0.22 ms
     # slower, its screening had seen it, and the racing stopped with the gain left (seeds 21304, 21314;
@@ -135,6 +139,9 @@ class SearchOptions:
     # per-GEMM gains must exceed z standard errors: 2.5, since up to 12 GEMMs' leaders are re-checked, an inconclusive
     # one twice (at 2.0, 31 of 100 equal simulated worlds accepted a choice, at 2.5, 13; issue 46)
     z: float = 2.5
+    # ... and this much more from a leader's fourth look on: the later looks test again and again (decision_sim
+    # trial_wide 87 and 178: fc1_dgrad crossed 2.5 on its 11th look in an equal world)
+    late_z: float = 0.5
     rel_floor: float = 0.002  # ... and this fraction of the time
     max_exhaustive: int = 512
 
@@ -148,6 +155,7 @@ class SearchOptions:
             "keep",
             "halving_steps",
             "race_samples",
+            "wide_leader_samples",
             "settle_trials",
             "recheck_steps",
             "bracket_every",
@@ -158,6 +166,8 @@ class SearchOptions:
         ):
             if getattr(self, k) < 1:
                 raise ValueError(f"{k} = {getattr(self, k)}: must be >= 1")
+        if self.late_z < 0:
+            raise ValueError(f"late_z = {self.late_z}: must be >= 0")
         if self.max_seconds <= 0:
             raise ValueError(f"max_seconds = {self.max_seconds}: must be > 0")
         if not paired.MIN_PAIRS <= self.min_quads <= self.max_quads:
