@@ -140,7 +140,7 @@ class SearchOptions:
     # one twice (at 2.0, 31 of 100 equal simulated worlds accepted a choice, at 2.5, 13; issue 46)
     z: float = 2.5
     # ... and this much more from a leader's fourth look on: the later looks test again and again (decision_sim
-    # trial_wide 87 and 178: fc1_dgrad crossed 2.5 on its 11th look in an equal world)
+    # trial_wide equal seed 178: fc1_dgrad crossed 2.5 on its 11th look)
     late_z: float = 0.5
     rel_floor: float = 0.002  # ... and this fraction of the time
     max_exhaustive: int = 512
