@@ -66,7 +66,7 @@ class Looks:
         # ``later_look_least`` of the way to it, up to ``max_looks`` looks (real Command-R-like steps: 17104's
         # fc1_wgrad, 0.36 ms in its fourth)
         hit, kept = (self.budget_hit, self.limit_hit), lambda: self._kept(decision_cost(), contenders, 0)
-        worth = o.rel_floor * self._step_level(incumbent) / 4  # a quarter of a gain worth a switch: not 0.02 ms of 100
+        worth = self._worth(incumbent) / 4  # a quarter of a gain worth a switch: not 0.02 ms of 100
 
         def short(x: Option) -> bool:  # raced beyond the noise, with fewer than RECHECKS looks that count (one whose
             # incumbent jumped around it is left out: decision_sim burst seed 192's third, so -1.37 and +0.75 decided)

@@ -174,7 +174,7 @@ class Racing(rest_scaling.RestScaling):
         of its GEMM is unsettled and it is beyond the noise either way. Only a re-measured option settles: one
         screened step, at one moment, can be a slow one; so can one racing trial, and an option its screening put
         ahead beyond the noise is ruled out only by ``settle_trials`` of them."""
-        z, worth = self.opt.z, self.opt.rel_floor * self._step_level(incumbent)
+        z, worth = self.opt.z, self._worth(incumbent)
         bounds = {o: b for o, e in race.raw.items() if (b := self._gain_bounds(incumbent, o, e))}
         leaders: dict[str, tuple[Option, float, float]] = {}
         for o, (g, se, _) in bounds.items():
@@ -241,7 +241,7 @@ class Racing(rest_scaling.RestScaling):
         untried = self._measure_options(
             "halving", incumbent, sorted(first, key=rank.get), o.halving_steps, race.raw, decision
         )
-        worth = o.rel_floor * self._step_level(incumbent)
+        worth = self._worth(incumbent)
         while not untried and race.unsettled:
             self._settle(incumbent, race)
             if race.upside_ms < worth:
@@ -344,9 +344,9 @@ class Racing(rest_scaling.RestScaling):
             self._cache[key] = out
         return self._cache[key]
 
-    def _step_level(self, incumbent: TuningConfig) -> float:
+    def _worth(self, incumbent: TuningConfig) -> float:  # a gain worth a switch (ms): rel_floor of the incumbent's step
         vals = [v for t in self._incumbent_trials(incumbent) for v in t.step_samples]
-        return statistics.median(vals) if vals else 0.0
+        return self.opt.rel_floor * statistics.median(vals) if vals else 0.0
 
     def _note_cut_short(
         self,
