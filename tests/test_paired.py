@@ -50,18 +50,7 @@ def test_interval_covers_zero_gain_at_its_level():
     assert false / 4000 <= 0.025 + 0.006  # one-sided error of a 95% two-sided interval
 
 
-# hostfwd (proj.fwd's trials 22% apart, real Gemma-like FP8 steps at a noisy moment) is issue 46's open case: seed 2
-# takes 71.5% (strict: this fails once it is met, and the mark goes)
-OPEN = {"hostfwd": "issue 46: a 22% trial level leaves part of seed 2's gain (71.5%)"}
-
-
-@pytest.mark.parametrize(  # one test each: pytest -n 2 spreads them
-    "scenario",
-    [
-        pytest.param(s, marks=pytest.mark.xfail(strict=True, reason=OPEN[s])) if s in OPEN else s
-        for s in decision_sim.SCENARIOS
-    ],
-)
+@pytest.mark.parametrize("scenario", decision_sim.SCENARIOS)  # one test each: pytest -n 2 spreads them
 def test_decision_rule_on_three_simulated_runs(scenario):
     """The decision rule on simulated runs with known costs (not a timing test), seeds 0-2 of every scenario (10 before
     issue 46: its search spends the rest of the budget, each run costs over twice the CPU; 4 before the 120 s budget,

@@ -9,7 +9,7 @@ import pytest
 from budgets import at_60
 from test_search import CTX, Synthetic, setup
 
-from megatron_tp_overlap.engine import brackets
+from megatron_tp_overlap.engine import brackets, trial_effect
 from megatron_tp_overlap.engine.report import build_report
 from megatron_tp_overlap.engine.search import Searcher, SearchOptions
 from megatron_tp_overlap.engine.space import apply
@@ -151,7 +151,7 @@ def test_deciding_on_the_changed_slots_takes_the_hostbound_gains_the_whole_layer
 
 
 @pytest.mark.parametrize("seed, alone", [(31, 0.572), (162, 0.637)])
-def test_racing_on_slot_times_scaled_by_the_rest_they_follow_takes_the_hostbound_gains_it_left(seed, alone):
+def test_racing_on_slot_times_scaled_by_the_rest_they_follow_takes_the_hostbound_gains_it_left(seed, alone, no_split):
     """The two worst hostbound seeds of ``changed_slots=1`` alone (0.56% and 0.74% gains): stretches of slow steps
     slow every slot and the rest of the step alike there, the racing chose options short of the best, and the final
     decision accepted them. With each slot's steps scaled by the share of the rest's slowdown it follows (the
@@ -235,8 +235,15 @@ class _SlowMomentForTheFastOption:
         return m
 
 
+@pytest.fixture
+def no_split(monkeypatch):
+    """The racing without :func:`trial_effect.split_gain` (before the thirtieth session): the tests of the mechanisms
+    that came before it keep their paths (it takes several of these gains as well)."""
+    monkeypatch.setattr(trial_effect, "split_gain", lambda *a: None)
+
+
 @pytest.mark.parametrize("settle_trials, realized", [(1, 0.0), (2, 1.0)])
-def test_one_racing_trial_at_a_slow_moment_does_not_rule_out_what_the_screening_saw(settle_trials, realized):
+def test_one_racing_trial_at_a_slow_moment_does_not_rule_out_what_the_screening_saw(settle_trials, realized, no_split):
     """A 0.31 ms ``proj_fprop`` gain whose one racing trial reads it 0.22 ms slower: ruled out on that trial alone
     (``settle_trials=1``, the search before the twenty-eighth session) the racing stops with it left; raced once more
     (the default, since its screening put it ahead beyond the noise), it is taken in full."""
@@ -252,7 +259,7 @@ def test_one_racing_trial_at_a_slow_moment_does_not_rule_out_what_the_screening_
     assert run.seen >= 1 and round(got, 3) == realized, (res.search_end, res.choices.get("proj_fprop"))
 
 
-def test_a_leader_the_racing_put_ahead_gets_a_second_look_after_one_far_behind():
+def test_a_leader_the_racing_put_ahead_gets_a_second_look_after_one_far_behind(no_split):
     """decision_sim ``burst`` seed 130 (each forward caught by a burst of slow steps in 5% of trials): fc1_fprop, truly
     0.69 ms faster and put ahead beyond the noise by the racing, read 0.37 ms slower in its first fresh look, beyond
     the noise; a look behind only within the noise got a second one, so the gain was left (75.9%). Any look behind
@@ -261,7 +268,7 @@ def test_a_leader_the_racing_put_ahead_gets_a_second_look_after_one_far_behind()
     assert out.choices["fc1_fprop"]["per_look_ms"] == [-0.3681, 0.7221] and out.realized == 1.0, out
 
 
-def test_a_look_left_out_is_replaced_for_a_leader_the_racing_put_ahead():
+def test_a_look_left_out_is_replaced_for_a_leader_the_racing_put_ahead(no_split):
     """decision_sim ``burst`` seed 192: fc2_fprop, truly 0.75 ms faster and raced beyond the noise, read -1.37 ms (a
     burst) and +0.75 ms in two fresh looks; the third was left out (the incumbent's level jumped around it), so the
     two decided (-0.30 ms, not accepted: 65.7%). A leader the racing put ahead now gets looks until three count."""
@@ -315,3 +322,25 @@ def test_looks_after_the_third_accept_only_beyond_a_higher_threshold(seed):
     they keep the reference."""
     assert not sim.run_once("trial_wide", 0.0, sim.EQUAL_SEED + seed).false_winner
     assert sim.run_once("trial_wide", 0.0, sim.EQUAL_SEED + seed, SearchOptions(late_z=0.0)).false_winner
+
+
+@pytest.mark.parametrize("seed, ruled_out", [(57, 0.444), (121, 0.602), (176, 0.759)])
+def test_an_option_whose_first_trials_disagree_beyond_the_noise_is_not_ruled_out(seed, ruled_out, monkeypatch):
+    """decision_sim ``burst``: one of a truly faster forward option's first two racing trials (176: its one racing trial
+    against its screened step) caught a burst and read it 2.0-2.6 ms behind; the two together ruled it out with its
+    gain. Two that differ beyond 4 standard deviations of a difference (:func:`trial_effect.split_gain`) now leave it
+    open for a third, and a trial far slower than the others is then set aside: the whole gain is taken."""
+    gain, s = sim.seed_gain(seed), sim.GAIN_SEED + seed
+    assert sim.run_once("burst", gain, s).realized == 1.0
+    monkeypatch.setattr(trial_effect, "split_gain", lambda *a: None)
+    assert round(sim.run_once("burst", gain, s).realized, 3) == ruled_out
+
+
+def test_a_leader_raced_ahead_looks_again_while_fewer_than_three_looks_count():
+    """decision_sim ``burst`` seed 29: fc2_fprop, raced 0.84 +- 0.02 ms ahead (truly 0.82), read 0.02 ms in the one
+    fresh look that counted (a burst; the incumbent's level jumped around its other two), under a quarter of a gain
+    worth a switch, which held later looks back (72.5%). Such a leader now looks again while fewer than three count:
+    its next that counts reads 0.82 ms, and it is accepted."""
+    out = sim.run_once("burst", sim.seed_gain(29), sim.GAIN_SEED + 29)
+    fc2 = out.choices["fc2_fprop"]
+    assert fc2["accepted"] and fc2["per_look_ms"] == [0.0195, 0.8228] and out.realized == 1.0, fc2

@@ -146,3 +146,36 @@ def test_decision_sims_hostfwd_is_spread_as_the_real_gemma_like_fp8_steps_were()
         15.0 < per_slot["proj.fwd"]["trial_level_pct"] < 29.0 and 6.5 < per_slot["proj.fwd"]["step_spread_pct"] < 13.0
     )
     assert all(r["trial_level_pct"] == 0.0 for s, r in per_slot.items() if s.endswith("bwd")), per_slot
+
+
+def test_two_trials_far_apart_leave_the_faster_ones_gain_and_a_far_slower_third_is_set_aside():
+    """``split_gain``: two 4-step trials (0.1 ms a step) 2.2 ms apart are beyond 4 sd of a difference (0.35 ms): the
+    faster one's gain; 0.1 ms apart, or one trial, are not. ``far_slower`` marks a trial over 4 of its sd slower
+    than the median trial; one step's spread is its own (a median of one), more steps' pi/2 of a mean's."""
+    fast = [-0.2] * 4
+    assert trial_effect.split_gain([fast, [2.0] * 4], 0.1, 0.0) == 0.2
+    assert trial_effect.split_gain([fast, [-0.1] * 4], 0.1, 0.0) is None
+    assert trial_effect.split_gain([fast], 0.1, 0.0) is None
+    assert trial_effect.trial_sd(0.1, 0.0, 1) == 0.1
+    assert trial_effect.trial_sd(0.1, 0.2, 4) == pytest.approx((0.01 * math.pi / 8 + 0.04) ** 0.5)
+    assert trial_effect.far_slower([[0.0] * 4, [0.1] * 4, [3.0] * 4, [-0.1] * 4], 0.1, 0.0) == [
+        False,
+        False,
+        True,
+        False,
+    ]
+
+
+def test_hostfwds_proj_fwd_is_the_real_ones_size():
+    """``hostfwd``'s proj.fwd costs ``FWD_FASTEST`` ms at its fastest option and its excess more at a slower one (the
+    real slot, 1.2% of the step, not the simulator's 3 ms GEMM), out of the step's rest."""
+    space = build_space(sim.TOPO, sim.CTX, [UbConfig()])
+    ref = TuningConfig(UbConfig(), frozenset(), "reference")
+    rng = random.Random(sim.GAIN_SEED + 21)
+    world = sim.make_world(space, sim.seed_gain(21), rng)
+    excess = sim.GEMM_MS - world.fastest_ms("proj_fprop")
+    assert 0.3 < excess < 0.5  # seed 21 puts 0.375 ms on a proj_fprop option
+    run = sim.SimulatedRun(world, "hostfwd", rng)
+    run(ref, 1, 0)
+    assert run.costs[ref]["proj.fwd"] == pytest.approx(sim.FWD_FASTEST["proj.fwd"] + excess)
+    assert run.costs[ref]["qkv.fwd"] == pytest.approx(world.gemm_ms("qkv_fprop", ref))

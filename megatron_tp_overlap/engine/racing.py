@@ -97,11 +97,8 @@ class Racing(rest_scaling.RestScaling):
         return out
 
     def _incumbent_level(self, incumbent: TuningConfig, opt: Option) -> float:
-        vals = [
-            v
-            for t in self._incumbent_trials(incumbent)
-            for v in (self._score(t.slot_samples, self._slots_of(opt)) or [])
-        ]
+        slots = self._slots_of(opt)
+        vals = [v for t in self._incumbent_trials(incumbent) for v in (self._score(t.slot_samples, slots) or [])]
         return statistics.median(vals) if vals else 0.0
 
     def _opt_sigma(self, incumbent: TuningConfig, opt: Option) -> float:
@@ -151,13 +148,7 @@ class Racing(rest_scaling.RestScaling):
         per = self._relative_trials(incumbent, opt, entries)
         sig, tau = self._opt_sigma(incumbent, opt), self._opt_tau(incumbent, opt)
         if len(per) >= 3:  # a trial far slower than the option's others caught a burst of slow steps
-            meds = [statistics.median(d) for d, _ in per]
-            mid = statistics.median(meds)
-            per = [
-                x
-                for x, m in zip(per, meds)
-                if m - mid <= 4 * math.sqrt(sig * sig * math.pi / 2 / len(x[0]) + tau * tau)
-            ]
+            per = [x for x, far in zip(per, trial_effect.far_slower([d for d, _ in per], sig, tau)) if not far]
         rel = [v for diffs, _ in per for v in diffs]
         if not rel:
             return None
@@ -168,12 +159,19 @@ class Racing(rest_scaling.RestScaling):
             se2 += tau**2 * trial_effect.trial_weight((len(d), n, vr) for d, vr in per)
         return -statistics.median(rel), math.sqrt(se2), n
 
+    def _split(self, incumbent: TuningConfig, opt: Option, entries: list, screened: list[float]) -> float | None:
+        """:func:`trial_effect.split_gain` of ``opt``'s two counted racing trials, or of its one and its screening."""
+        per = [d for d, _ in self._relative_trials(incumbent, opt, entries)]
+        per += [screened] if len(per) == 1 and screened else []
+        return trial_effect.split_gain(per, self._opt_sigma(incumbent, opt), self._opt_tau(incumbent, opt))
+
     def _settle(self, incumbent: TuningConfig, race: Race) -> dict[str, tuple[Option, float, float]]:
         """Settles what the samples rule out; returns per GEMM its leader (option, gain, se). An option is settled
         when its gain + z se cannot beat the incumbent nor the leader's gain - z se; the leader, when nothing else
         of its GEMM is unsettled and it is beyond the noise either way. Only a re-measured option settles: one
         screened step, at one moment, can be a slow one; so can one racing trial, and an option its screening put
-        ahead beyond the noise is ruled out only by ``settle_trials`` of them."""
+        ahead beyond the noise is ruled out only by ``settle_trials`` of them, and one whose two trials (or one and its
+        screening) differ beyond the noise (:meth:`_split`) by a third."""
         z, worth = self.opt.z, self._worth(incumbent)
         bounds = {o: b for o, e in race.raw.items() if (b := self._gain_bounds(incumbent, o, e))}
         leaders: dict[str, tuple[Option, float, float]] = {}
@@ -186,9 +184,11 @@ class Racing(rest_scaling.RestScaling):
             s = race.screened.get(o)
             return (-statistics.median(s), z * self._opt_sigma(incumbent, o) * 2**0.5) if s else (math.inf, 0.0)
 
+        split = {o: b for o in bounds if (b := self._split(incumbent, o, race.raw[o], race.screened.get(o, [])))}
+
         def doubted(o: Option) -> bool:  # screened ahead beyond the noise, raced fewer than ``settle_trials`` times
             g, e = screened(o)
-            return g - e > 0 and len(race.raw.get(o, ())) < self.opt.settle_trials
+            return g - e > 0 and len(race.raw.get(o, ())) < self.opt.settle_trials or o in split
 
         for o in list(race.unsettled):
             lead = leaders.get(o.gemm)
@@ -204,7 +204,7 @@ class Racing(rest_scaling.RestScaling):
                     race.unsettled.pop(o, None)
                     continue
                 if doubted(o):  # one trial at one moment cannot rule out what the screening saw beyond its noise
-                    ucb = max(ucb, sum(screened(o)))
+                    ucb = max(ucb, sum(screened(o)), split.get(o, -math.inf) + z * se)
             held = max(0.0, lead[1]) if lead else 0.0
             upside[o.gemm] = max(upside.get(o.gemm, 0.0), ucb - held)
         for gemm, (o, g, se) in leaders.items():  # a leader alone, beyond the noise either way, is settled

@@ -31,6 +31,9 @@ RATIO_MIN = 3.0
 # than the steps alone would (one test with many differences: a slot's own test, one of 8-12, passes by chance in
 # about one search in ten)
 POOLED_MIN = 2.0
+# a racing trial this many standard deviations slower than an option's others caught a burst of slow steps: set aside
+# among three or more, and of two that differ so much neither rules the option out (engine/racing.py)
+OUTLIER_SDS = 4.0
 
 
 def slot_taus(groups: Iterable[list[Any]], sigma: float, scaled=lambda t: t.slot_samples) -> dict[str, float]:
@@ -79,3 +82,29 @@ def trial_weight(shares: Iterable[tuple[int, int, float]]) -> float:
     in its variance. ``c_i = min(1, ref_var_i n_i)``: the incumbent's interpolated level there carries the trial
     levels of the one or two trials around it (``w^2 + (1 - w)^2`` when they have as many steps as this one)."""
     return sum((ni / n) ** 2 * (1 + min(1.0, vr * ni)) for ni, n, vr in shares)
+
+
+def trial_sd(sigma: float, tau: float, steps: int) -> float:
+    """One trial's spread (ms) as the racing scores it, the median of ``steps`` steps: the steps' own (``sigma`` ms
+    each; a median's variance pi/2 of a mean's) and the level the trial's steps share (``tau`` ms)."""
+    return math.sqrt(sigma * sigma * (math.pi / 2 if steps > 1 else 1.0) / steps + tau * tau)
+
+
+def far_slower(trials: list[list[float]], sigma: float, tau: float) -> list[bool]:
+    """Per trial (relative samples, ms): whether its median is over ``OUTLIER_SDS`` of its spread slower than the
+    median trial's."""
+    meds = [statistics.median(d) for d in trials]
+    mid = statistics.median(meds)
+    return [m - mid > OUTLIER_SDS * trial_sd(sigma, tau, len(d)) for m, d in zip(meds, trials)]
+
+
+def split_gain(trials: list[list[float]], sigma: float, tau: float) -> float | None:
+    """Two trials' relative samples (ms, negative: faster) whose medians differ beyond ``OUTLIER_SDS`` standard
+    deviations of a difference: the faster one's gain (ms), since two cannot tell which caught a burst; else None.
+    decision_sim burst seeds 57, 121 and 176: one of a truly faster option's first two trials (or its first and its
+    screened step) read it 2.0-2.6 ms behind, and it was ruled out with its gain (44-76% of a seed's gain taken)."""
+    if len(trials) != 2:
+        return None
+    meds = [statistics.median(d) for d in trials]
+    sd = math.hypot(*(trial_sd(sigma, tau, len(d)) for d in trials))
+    return -min(meds) if max(meds) - min(meds) > OUTLIER_SDS * sd else None
