@@ -74,8 +74,8 @@ class Looks:
                 beyond[x] and bool(o.trial_noise) and len(self._relative_trials(incumbent, x, raw_fresh[x])) < RECHECKS
             )
 
-        def later(x: Option) -> bool:  # a short leader looks again until accepted (decision_sim burst seed 29: its one
-            # look that counted caught a burst, 0.02 of a raced 0.84 ms, and the quarter gate kept it from more)
+        def later(x: Option) -> bool:  # a short leader looks again, whatever its looks' gain (decision_sim burst seed
+            # 29: the one look that counted caught a burst, 0.02 of a raced 0.84 ms, and the quarter gate held it back)
             s = short(x)
             return self._inconclusive(incumbent, x, raw_fresh[x], s, 0 if s else o.later_look_least, 0 if s else worth)
 

@@ -186,7 +186,7 @@ class Racing(rest_scaling.RestScaling):
 
         split = {o: b for o in bounds if (b := self._split(incumbent, o, race.raw[o], race.screened.get(o, [])))}
 
-        def doubted(o: Option) -> bool:  # screened ahead beyond the noise, raced fewer than ``settle_trials`` times
+        def doubted(o: Option) -> bool:  # screened ahead beyond the noise, raced < ``settle_trials`` times; or split
             g, e = screened(o)
             return g - e > 0 and len(race.raw.get(o, ())) < self.opt.settle_trials or o in split
 

@@ -75,7 +75,7 @@ class World:
 
     fast: dict[tuple[str, str], float]
 
-    def fastest_ms(self, gemm: str) -> float:
+    def fastest_ms(self, gemm: str) -> float:  # its fastest option's
         return min((v for (g, _), v in self.fast.items() if g == gemm), default=GEMM_MS)
 
     def gemm_ms(self, gemm: str, config: TuningConfig) -> float:
