@@ -159,10 +159,10 @@ class Racing(rest_scaling.RestScaling):
             se2 += tau**2 * trial_effect.trial_weight((len(d), n, vr) for d, vr in per)
         return -statistics.median(rel), math.sqrt(se2), n
 
-    def _split(self, incumbent: TuningConfig, opt: Option, entries: list, screened: list[float]) -> float | None:
+    def _split(self, incumbent: TuningConfig, opt: Option, race: Race) -> float | None:
         """:func:`trial_effect.split_gain` of ``opt``'s two counted racing trials, or of its one and its screening."""
-        per = [d for d, _ in self._relative_trials(incumbent, opt, entries)]
-        per += [screened] if len(per) == 1 and screened else []
+        per = [d for d, _ in self._relative_trials(incumbent, opt, race.raw[opt])]
+        per += [race.screened[opt]] if len(per) == 1 and race.screened.get(opt) else []
         return trial_effect.split_gain(per, self._opt_sigma(incumbent, opt), self._opt_tau(incumbent, opt))
 
     def _settle(self, incumbent: TuningConfig, race: Race) -> dict[str, tuple[Option, float, float]]:
@@ -184,7 +184,7 @@ class Racing(rest_scaling.RestScaling):
             s = race.screened.get(o)
             return (-statistics.median(s), z * self._opt_sigma(incumbent, o) * 2**0.5) if s else (math.inf, 0.0)
 
-        split = {o: b for o in bounds if (b := self._split(incumbent, o, race.raw[o], race.screened.get(o, [])))}
+        split = {o: b for o in race.unsettled if o in bounds and (b := self._split(incumbent, o, race))}
 
         def doubted(o: Option) -> bool:  # screened ahead beyond the noise, raced < ``settle_trials`` times; or split
             g, e = screened(o)
