@@ -13,7 +13,8 @@ options) and is scored by the true cost of what it chose:
 - worst: the chosen config's true cost over the reference's (> 0: it ended slower);
 - false winner (``equal``): it named any config other than the reference.
 
-``python -m megatron_tp_overlap.tools.research.decision_sim --seeds 200`` prints the table.
+``python -m megatron_tp_overlap.tools.research.decision_sim --seeds 200`` prints the table, then per scenario the seeds
+below 80% and those that named a false winner (``--only-seeds 49 121`` runs just those).
 """
 
 from __future__ import annotations
@@ -291,7 +292,7 @@ def _verified(o: Outcome, seed: int, noise: str) -> Outcome:
 
 
 def evaluate_rule(
-    seeds: int,
+    seeds: int | list[int],
     scenarios=SCENARIOS,
     options: SearchOptions | None = None,
     vs_exhaustive: bool = False,
@@ -300,17 +301,18 @@ def evaluate_rule(
     verify: str | None = None,
 ) -> dict[str, dict[str, float]]:
     """Per scenario: mean realized share and worst excess over seeds with gains of 0.5-5%, and the false-winner
-    rate over seeds where every config costs the same. ``vs_exhaustive``: also the slot-exhaustive search (as the
+    rate over seeds where every config costs the same; which seeds took under 80% and which named a false winner.
+    ``seeds``: how many table seeds (0, 1, ...), or a list of them. ``vs_exhaustive``: also the slot-exhaustive search (as the
     layer benchmark runs it) on the same worlds: how much slower the tuner's choice is (mean, worst, seeds beyond
     1%) and its steps over the exhaustive search's (median). ``preset``: see :func:`run_once`."""
-    out = {}
+    out, table = {}, list(range(seeds)) if isinstance(seeds, int) else list(seeds)
     for sc in scenarios:
-        gain_of = [seed_gain(s) for s in range(seeds)]
-        gains = [run_once(sc, gain_of[s], GAIN_SEED + s, options, preset, clock) for s in range(seeds)]
-        equal = [run_once(sc, 0.0, EQUAL_SEED + s, options, preset, clock) for s in range(seeds)]
+        gain_of = {s: seed_gain(s) for s in table}
+        gains = [run_once(sc, gain_of[s], GAIN_SEED + s, options, preset, clock) for s in table]
+        equal = [run_once(sc, 0.0, EQUAL_SEED + s, options, preset, clock) for s in table]
         if verify:  # the run's in-run verification decides each handed-on config (tools/research/verify_sim.py)
-            gains = [_verified(o, GAIN_SEED + s, verify) for s, o in enumerate(gains)]
-            equal = [_verified(o, EQUAL_SEED + s, verify) for s, o in enumerate(equal)]
+            gains = [_verified(o, GAIN_SEED + s, verify) for s, o in zip(table, gains)]
+            equal = [_verified(o, EQUAL_SEED + s, verify) for s, o in zip(table, equal)]
         out[sc] = {
             "realized_mean": statistics.mean(o.realized for o in gains),
             "realized_min": min(o.realized for o in gains),
@@ -323,9 +325,11 @@ def evaluate_rule(
             "seconds_median": statistics.median(o.seconds for o in gains + equal),
             "seconds_max": max(o.seconds for o in gains + equal),
             "budget_s": (options or SearchOptions()).max_seconds,
+            "below_80": sorted((o.realized, s) for s, o in zip(table, gains) if o.realized < 0.8),  # worst first
+            "false_winner_seeds": [s for s, o in zip(table, equal) if o.false_winner],
         }
         if vs_exhaustive:
-            ex = [run_once(sc, gain_of[s], GAIN_SEED + s, BENCHMARK_EXHAUSTIVE, preset) for s in range(seeds)]
+            ex = [run_once(sc, gain_of[s], GAIN_SEED + s, BENCHMARK_EXHAUSTIVE, preset) for s in table]
             gap = [100 * (o.chosen_ms / e.chosen_ms - 1) for o, e in zip(gains, ex)]
             out[sc] |= {
                 "vs_exhaustive_mean_pct": statistics.mean(gap),
@@ -339,6 +343,7 @@ def evaluate_rule(
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seeds", type=int, default=200)
+    p.add_argument("--only-seeds", type=int, nargs="+", metavar="S", help="these table seeds instead, e.g. 49 121")
     p.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
     p.add_argument("--vs-exhaustive", action="store_true", help="also the slot-exhaustive search on the gain seeds")
     preset_help = "2-3 faster options per world and a preset-like contender between the reference and the best"
@@ -356,7 +361,7 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, TypeError) as e:
         p.error(f"--set {' '.join(a.set)}: {e}")
     clock = tuple(a.clock or ()) or None
-    res = evaluate_rule(a.seeds, a.scenarios, options, a.vs_exhaustive, a.preset, clock, a.verify)
+    res = evaluate_rule(a.only_seeds or a.seeds, a.scenarios, options, a.vs_exhaustive, a.preset, clock, a.verify)
     head = (
         f"{'scenario':10} {'realized mean':>14} {'realized min':>13} {'worst vs ref':>13} {'false winners':>14} "
         f"{'steps':>6} {'tuning s (median / max / budget)':>33} {'min if handed on kept':>22} {'equal handed on':>16}"
@@ -377,6 +382,9 @@ def main(argv: list[str] | None = None) -> None:
                 f"{r['vs_exhaustive_beyond_1pct']:>4}/{a.seeds:<5} {r['steps_vs_exhaustive']:10.2f}"
             )
         print(line)
+    for sc, r in res.items():  # the seeds behind the worst figures, to rerun with --only-seeds
+        low = ", ".join(f"{s} ({100 * v:.1f}%)" for v, s in r["below_80"]) or "none"
+        print(f"{sc}: seeds below 80%: {low}; false winners: {', '.join(map(str, r['false_winner_seeds'])) or 'none'}")
 
 
 if __name__ == "__main__":
