@@ -30,9 +30,10 @@ class TuneOptions:
     """What a user may set about tuning. Units: seconds, steps."""
 
     seconds: float = _opt(
-        120.0,
+        180.0,
         "Budget: wall seconds of tuning (a hard cap, the trial in flight included). A search ends early once nothing "
-        "left can pay for a switch: medians of 60-95 s on real H100 steps of four shapes.",
+        "left can pay for a switch: medians of 60-115 s on real H100/H200 steps of six shapes; only a search whose "
+        "noisy slots leave a gain undecided runs longer.",
     )
     steps: int = _opt(
         0,

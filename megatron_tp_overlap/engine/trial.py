@@ -126,8 +126,10 @@ class SearchOptions:
     fill_slots: int = 1
     # fresh looks at a GEMM's leader at most: the first looks.RECHECKS are kept in the budget, later ones take its rest
     # (real Command-R-like steps: a true 0.23 ms measured 0.17 ms against 0.226 needed in two, 7 s of 60 unspent); a
-    # look errs by 0.24-0.28 ms in fc1.bwd on trial-level steps, so a 0.3 ms gain needs about 8 (issue 46)
-    max_looks: int = 20
+    # look errs by 0.24-0.28 ms in fc1.bwd on trial-level steps, so a 0.3 ms gain needs about 8, and 0.3-0.5 ms in a
+    # forward whose trials sit 22% apart (decision_sim hostfwd seed 14: a true 0.30 ms took 20 looks at 180 s and was
+    # still 0.198 ms against 0.292 needed; with 40 it was taken; issue 46)
+    max_looks: int = 40
     # ... and a look after the third only for a leader ahead by this share of its threshold (0: any leader ahead by a
     # quarter of a gain worth a switch). At 120 s, 0 took decision_sim trial_wide's worst seed from 55.6 to 69.0%; at
     # 60 s no setting helped. Real Command-R-like bf16 steps on H100, the same worlds: 60 s and 0.5 took 7 of 8 gains in
