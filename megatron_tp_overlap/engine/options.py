@@ -32,8 +32,8 @@ class TuneOptions:
     seconds: float = _opt(
         180.0,
         "Budget: wall seconds of tuning (a hard cap, the trial in flight included). A search ends early once nothing "
-        "left can pay for a switch: medians of 60-115 s on real H100/H200 steps of six shapes; only a search whose "
-        "noisy slots leave a gain undecided runs longer.",
+        "left can pay for a switch: medians of 60-115 s on real H100/H200 steps of six shapes at 120 s; beyond that "
+        "runs only a search whose noisy slots leave a gain undecided.",
     )
     steps: int = _opt(
         0,

@@ -304,8 +304,9 @@ def evaluate_rule(
     """Per scenario: mean realized share and worst excess over seeds with gains of 0.5-5%, and the false-winner
     rate over seeds where every config costs the same; which seeds took under ``LISTED_BELOW`` and which named a
     false winner. ``seeds``: how many table seeds (0, 1, ...), or a list of them. ``vs_exhaustive``: also the
-    slot-exhaustive search (as the layer benchmark runs it) on the same worlds: how much slower the tuner's choice is (mean, worst, seeds beyond
-    1%) and its steps over the exhaustive search's (median). ``preset``: see :func:`run_once`."""
+    slot-exhaustive search (as the layer benchmark runs it) on the same worlds: how much slower the tuner's choice is
+    (mean, worst, seeds beyond 1%) and its steps over the exhaustive search's (median). ``preset``: see
+    :func:`run_once`."""
     out, table = {}, list(range(seeds)) if isinstance(seeds, int) else list(seeds)
     for sc in scenarios:
         gain_of = {s: seed_gain(s) for s in table}
