@@ -5,7 +5,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 import pytest
-from budgets import at_60
+from budgets import at_60, at_120
 
 from megatron_tp_overlap.engine.search import Searcher, SearchOptions
 from megatron_tp_overlap.engine.trial import SearchResult
@@ -114,7 +114,7 @@ def test_180_s_and_40_looks_take_the_noisy_forward_gains_that_120_s_left():
     176, whose part left is under a gain worth a switch; decision_sim README, thirty-first section)."""
     for seed, then in ((49, 0.564), (14, 0.691)):
         gain = sim.seed_gain(seed)
-        before = sim.run_once("hostfwd", gain, sim.GAIN_SEED + seed, SearchOptions(max_seconds=120.0, max_looks=20))
+        before = sim.run_once("hostfwd", gain, sim.GAIN_SEED + seed, at_120())
         after = sim.run_once("hostfwd", gain, sim.GAIN_SEED + seed)
         assert round(before.realized, 3) == then and after.realized == 1.0, (seed, before, after)
         assert after.seconds <= SearchOptions().max_seconds, seed

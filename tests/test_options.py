@@ -4,8 +4,6 @@ import dataclasses
 import re
 from pathlib import Path
 
-import pytest
-
 from megatron_tp_overlap.engine.options import TuneOptions, option_fields, unknown_prefixed
 from megatron_tp_overlap.integrations.megatron.flags import flag_name
 
@@ -38,11 +36,8 @@ def test_the_readme_options_table_lists_every_option_with_its_flag():
     assert flags == {flag_name(f.name)[2:] for f in option_fields()}
 
 
-@pytest.mark.parametrize("doc", ["README.md", "docs/integrations.md"])
-def test_the_readme_options_table_states_each_default_as_the_dataclass_has_it(doc):
-    """Both tables of the options (docs/integrations.md's said 60 s from the twenty-sixth to the thirty-first session,
-    when the budget was 120 s)."""
-    readme = (Path(__file__).parents[1] / doc).read_text()
+def test_the_readme_options_table_states_each_default_as_the_dataclass_has_it():
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
     for f in option_fields():
         (row,) = [r for r in readme.splitlines() if r.startswith("| ") and flag_name(f.name)[2:] in r]
         default = row.rstrip(" |").rsplit("|", 1)[1].strip()
