@@ -107,6 +107,11 @@ class SimulatedReal:
             self.live, self.switches = config, self.switches + 1
         return self.run(config, n, warmup)
 
+    def step_ms_of(self, config, steps: int = 5) -> float:  # whole steps outside the search, on their own noise
+        if getattr(self, "checks", (None,))[0] is not self.world:
+            self.checks = (self.world, sim.SimulatedRun(self.world, self.scenario, random.Random(self.seed + 1), 400))
+        return statistics.fmean(self.checks[1](config, steps, 1).step_ms)
+
 
 def test_a_search_is_scored_against_the_truth():
     gain = sr.one_search(SimulatedReal(), 1001, 0.04)
@@ -114,9 +119,13 @@ def test_a_search_is_scored_against_the_truth():
     assert gain["realized"] > 0.8 and gain["excess_pct"] < 0 and not gain["false_winner"]
     assert gain["chosen"] != "reference" and gain["true_gain_of_decided_ms"] > 0
     assert gain["switches"] > 10 and gain["steps"] > 50
+    # the gain as whole steps show it, before and after the search: the put-in one, within the steps' noise
+    assert gain["gain_put_in_ms"] == round(gain["available_gain_pct"], 3)  # % of the simulator's 100 ms step, scale 1
+    assert len(gain["gain_on_steps_ms"]) == 2
+    assert all(abs(g - gain["gain_put_in_ms"]) < 0.5 for g in gain["gain_on_steps_ms"])
     equal = sr.one_search(SimulatedReal(), 5001, 0.0)
     assert equal["kind"] == "equal" and equal["realized"] is None and equal["available_gain_pct"] == 0
-    assert equal["false_winner"] == (equal["chosen"] != "reference")
+    assert equal["false_winner"] == (equal["chosen"] != "reference") and equal["gain_on_steps_ms"] == []
     blocks = gain["confirm_blocks"]
     assert [b[0] for b in blocks[:4]] == ["reference", "autotuned", "autotuned", "reference"]
     assert [b[1] for b in blocks[:8]] == [1, 1, 0, 1, 0, 1, 0, 1]  # after a switch / continuing its config

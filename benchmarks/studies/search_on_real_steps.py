@@ -141,6 +141,22 @@ class RealSteps:
             s: self.scale * sum(self.world.excess_ms(g, config) / share[g] for g in gemms) for s, gemms in slots.items()
         }
 
+    def step_ms_of(self, config, steps: int = 5) -> float:
+        """GPU ms per step of ``config`` (its delays put in, one warm-up step), events over ``steps`` consecutive
+        steps with no host sync between them, as in a trial. Outside the search: the next trial switches again."""
+        import torch
+
+        self.delays.set(self.slot_excess_ms(config))
+        self.live = None
+        self.steps.step()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(steps):
+            self.steps.step()
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b) / steps
+
     def __call__(self, config, n: int, warmup: int):
         import torch
         from trial_noise import simulated_switch
@@ -188,6 +204,19 @@ def probe_delays(real: RealSteps) -> dict:
     return out
 
 
+def gain_on_steps(real, ref, best, rounds: int = 6) -> float:
+    """The world's available gain as whole steps show it (ms per step): ``real.step_ms_of`` the reference and the best
+    config in ``rounds`` pairs, ABBA order, and the median pair's difference. On a host-bound step a delay put in one
+    slot can fill a gap where the GPU waits for the host, so less of it shows on the step than was put in
+    (GLM-4-9B-like FP8 on one H200: 1.57 of 5.26 ms in ``probe_delays``; results/2026-11-28_h200x4b/)."""
+    diffs = []
+    for r in range(rounds):
+        order = (ref, best) if r % 2 == 0 else (best, ref)
+        ms = {cfg: real.step_ms_of(cfg) for cfg in order}
+        diffs.append(ms[ref] - ms[best])
+    return round(statistics.median(diffs), 3)
+
+
 def one_search(real: RealSteps, seed: int, gain: float, preset: bool = False, variant: str = "") -> dict:
     from megatron_tp_overlap.engine import heap
     from megatron_tp_overlap.engine.search import Searcher, SearchOptions
@@ -203,11 +232,15 @@ def one_search(real: RealSteps, seed: int, gain: float, preset: bool = False, va
     if preset and (p := sim.preset_of(world, space, ref)) is not None:
         baselines["preset"] = p
     options = SearchOptions(**parse_variant(variant))
+    best = sim.best_config(world, space, ref)
+    real.world = world  # the gain as whole steps show it, just before the search and just after
+    on_steps = [gain_on_steps(real, ref, best)] if gain > 0 else []
     real.start(world)
     with heap.frozen():  # as tuning does
         res = Searcher(real.topo, space, real, sim.CTX, options).run(ref, baselines)
+    on_steps += [gain_on_steps(real, ref, best)] if gain > 0 else []
     ref_ms, chosen_ms = world.step_ms(ref), world.step_ms(res.best)
-    best_ms = world.step_ms(sim.best_config(world, space, ref))
+    best_ms = world.step_ms(best)
     realized = (ref_ms - chosen_ms) / (ref_ms - best_ms) if ref_ms > best_ms else None
     false_winner = gain <= 0 and res.best_name != "reference"
     # the GEMMs a miss is about: the world's faster ones a gain left, or the choices a false winner accepted
@@ -225,6 +258,8 @@ def one_search(real: RealSteps, seed: int, gain: float, preset: bool = False, va
         else None,  # the preset-like contender's true cost over the best config, % of the step
         "kind": "gain" if gain > 0 else "equal",
         "available_gain_pct": round(100 * (ref_ms - best_ms) / sim.STEP_MS, 3),
+        "gain_put_in_ms": round(real.scale * (ref_ms - best_ms), 3),
+        "gain_on_steps_ms": on_steps,  # measured on whole steps before and after the search (gain_on_steps)
         "realized": realized,
         "excess_pct": round(100 * (chosen_ms - ref_ms) / sim.STEP_MS, 3),  # true, of the simulated step
         "false_winner": false_winner,
