@@ -118,3 +118,24 @@ def test_180_s_and_40_looks_take_the_noisy_forward_gains_that_120_s_left():
         after = sim.run_once("hostfwd", gain, sim.GAIN_SEED + seed)
         assert round(before.realized, 3) == then and after.realized == 1.0, (seed, before, after)
         assert after.seconds <= SearchOptions().max_seconds, seed
+
+
+def test_a_leader_whose_looks_disagree_needs_more_of_them_and_gets_them_while_it_can_still_pay():
+    """Real GLM-4-9B-like FP8 steps (H200, results/2026-11-28_h200x4b/): a truly equal proj_fprop was accepted on
+    looks of +0.035, +0.352 and -0.014 ms at a 0.009 ms threshold (the pooled step spread leaves out a noisy forward's
+    own), and a truly faster one was left at -0.073 ms against 0.290 with 120 s unspent. decision_sim hostfwd seed 149
+    shows both rules at work on a true 0.316 ms proj_fprop: its three looks (+0.76, +0.59, -0.15 ms) accept it without
+    them; with the looks' own spread in its standard error alone (``look_spread``) it is not accepted, four later looks
+    read it behind and it is left (61.4% of the seed's gain); with later looks while its interval still reaches a
+    gain worth a switch (``later_reach``) too, it is accepted on its 18th look (decision_sim README, thirty-second
+    section)."""
+    gain, world = sim.seed_gain(149), sim.GAIN_SEED + 149
+    runs = {
+        rules: sim.run_once("hostfwd", gain, world, SearchOptions(look_spread=rules[0], later_reach=rules[1]))
+        for rules in ((0, 0), (1, 0), (1, 1))
+    }
+    looks = {rules: len(o.choices["proj_fprop"]["per_look_ms"]) for rules, o in runs.items()}
+    assert {rules: round(o.realized, 3) for rules, o in runs.items()} == {(0, 0): 1.0, (1, 0): 0.614, (1, 1): 1.0}
+    assert looks == {(0, 0): 3, (1, 0): 7, (1, 1): 18}
+    assert runs[(1, 1)].seconds <= SearchOptions().max_seconds and SearchOptions().look_spread == 1
+    assert SearchOptions().later_reach == 1

@@ -6,7 +6,7 @@ import re
 import statistics
 
 import pytest
-from budgets import at_60, at_120
+from budgets import at_31, at_60, at_120
 from test_search import CTX, Synthetic, setup
 
 from megatron_tp_overlap.engine import brackets, trial_effect
@@ -264,7 +264,7 @@ def test_a_leader_the_racing_put_ahead_gets_a_second_look_after_one_far_behind(n
     0.69 ms faster and put ahead beyond the noise by the racing, read 0.37 ms slower in its first fresh look, beyond
     the noise; a look behind only within the noise got a second one, so the gain was left (75.9%). Any look behind
     now gets a second: +0.72 ms, and the whole gain is taken."""
-    out = sim.run_once("burst", sim.seed_gain(130), sim.GAIN_SEED + 130)
+    out = sim.run_once("burst", sim.seed_gain(130), sim.GAIN_SEED + 130, at_31())
     assert out.choices["fc1_fprop"]["per_look_ms"] == [-0.3681, 0.7221] and out.realized == 1.0, out
 
 
@@ -272,7 +272,7 @@ def test_a_look_left_out_is_replaced_for_a_leader_the_racing_put_ahead(no_split)
     """decision_sim ``burst`` seed 192: fc2_fprop, truly 0.75 ms faster and raced beyond the noise, read -1.37 ms (a
     burst) and +0.75 ms in two fresh looks; the third was left out (the incumbent's level jumped around it), so the
     two decided (-0.30 ms, not accepted: 65.7%). A leader the racing put ahead now gets looks until three count."""
-    out = sim.run_once("burst", sim.seed_gain(192), sim.GAIN_SEED + 192)
+    out = sim.run_once("burst", sim.seed_gain(192), sim.GAIN_SEED + 192, at_31())
     assert out.choices["fc2_fprop"]["per_look_ms"] == [-1.3674, 0.7509, 0.7342] and out.realized == 1.0, out
 
 
@@ -312,8 +312,8 @@ def test_a_leader_that_cannot_tell_yet_races_on_past_race_samples_and_takes_the_
     were still wider than a gain worth a switch, the search stopped early and took 69.0%; racing such a leader on (to
     ``wide_leader_samples``) takes all of it."""
     gain, seed = sim.seed_gain(49), sim.GAIN_SEED + 49
-    assert sim.run_once("trial_wide", gain, seed).realized == 1.0
-    assert round(sim.run_once("trial_wide", gain, seed, SearchOptions(wide_leader_samples=24)).realized, 3) == 0.69
+    assert sim.run_once("trial_wide", gain, seed, at_31()).realized == 1.0
+    assert round(sim.run_once("trial_wide", gain, seed, at_31(wide_leader_samples=24)).realized, 3) == 0.69
 
 
 @pytest.mark.parametrize("seed", [35, 126, 178])
@@ -333,9 +333,9 @@ def test_an_option_whose_first_trials_disagree_beyond_the_noise_is_not_ruled_out
     gain. Two that differ beyond 4 standard deviations of a difference (:func:`trial_effect.split_gain`) now leave it
     open for a third, and a trial far slower than the others is then set aside: the whole gain is taken."""
     gain, s = sim.seed_gain(seed), sim.GAIN_SEED + seed
-    assert sim.run_once("burst", gain, s).realized == 1.0
+    assert sim.run_once("burst", gain, s, at_31()).realized == 1.0
     monkeypatch.setattr(trial_effect, "split_gain", lambda *a: None)
-    assert round(sim.run_once("burst", gain, s).realized, 3) == ruled_out
+    assert round(sim.run_once("burst", gain, s, at_31()).realized, 3) == ruled_out
 
 
 def test_a_leader_raced_ahead_looks_again_while_fewer_than_three_looks_count():
@@ -343,6 +343,6 @@ def test_a_leader_raced_ahead_looks_again_while_fewer_than_three_looks_count():
     fresh look that counted (a burst; the incumbent's level jumped around its other two), under a quarter of a gain
     worth a switch, which held later looks back (72.5%). Such a leader now looks again while fewer than three count:
     its next that counts reads 0.82 ms, and it is accepted."""
-    out = sim.run_once("burst", sim.seed_gain(29), sim.GAIN_SEED + 29)
+    out = sim.run_once("burst", sim.seed_gain(29), sim.GAIN_SEED + 29, at_31())
     fc2 = out.choices["fc2_fprop"]
     assert fc2["accepted"] and fc2["per_look_ms"] == [0.0195, 0.8228] and out.realized == 1.0, fc2

@@ -11,6 +11,7 @@ count. Every choice still goes through the final decision.
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -75,9 +76,14 @@ class Looks:
             )
 
         def later(x: Option) -> bool:  # a short leader looks again, whatever its looks' gain (decision_sim burst seed
-            # 29: the one look that counted caught a burst, 0.02 of a raced 0.84 ms, and the quarter gate held it back)
-            s = short(x)
-            return self._inconclusive(incumbent, x, raw_fresh[x], s, 0 if s else o.later_look_least, 0 if s else worth)
+            # 29: the one look that counted caught a burst, 0.02 of a raced 0.84 ms, and the quarter gate held it back);
+            # so does one whose interval still reaches a gain worth a switch (``later_reach``)
+            s, e = short(x), raw_fresh[x]
+            return (
+                self._inconclusive(incumbent, x, e, s, 0 if s else o.later_look_least, 0 if s else worth)
+                or bool(o.later_reach)
+                and self._reaches(incumbent, x, e, 4 * worth)
+            )
 
         for _ in range(RECHECKS, o.max_looks):
             again = [x for x in survivors if x in raw_fresh and later(x)]
@@ -111,9 +117,24 @@ class Looks:
         """Whether ``entries`` put ``opt`` ahead of the incumbent (by at least ``least`` of the noise and ``above``
         ms) but not beyond the noise (:meth:`_threshold`), or behind at all where ``raced`` (the racing put it
         beyond the noise; one trial can share a slow level, or catch a burst of slow steps)."""
-        g, se, _ = self._gain_bounds(incumbent, opt, entries) or (0.0, 0.0, 0)
+        g, se, _ = self._look_bounds(incumbent, opt, entries) or (0.0, 0.0, 0)
         thr = self._threshold(incumbent, opt, se, len(entries))
         return max(0.0, least * thr, above) < g <= thr or raced and g <= 0
+
+    def _reaches(self, incumbent: TuningConfig, opt: Option, entries: list, worth: float) -> bool:
+        """Whether ``entries`` leave ``opt`` not accepted (:meth:`_threshold`) while its gain + z standard errors
+        still reaches ``worth`` ms (a gain worth a switch): what is left could still pay."""
+        g, se, _ = self._look_bounds(incumbent, opt, entries) or (0.0, 0.0, 0)
+        return g <= self._threshold(incumbent, opt, se, len(entries)) and g + self.opt.z * se >= worth
+
+    def _look_bounds(self, incumbent: TuningConfig, opt: Option, entries: list) -> tuple[float, float, int] | None:
+        """:meth:`_gain_bounds` of a leader's fresh looks, with a standard error at least their own spread (the sd
+        of the per-look gains over sqrt(looks), from two looks on; ``look_spread``)."""
+        b = self._gain_bounds(incumbent, opt, entries)
+        if b is None or not self.opt.look_spread:
+            return b
+        per = [-statistics.median(d) for d, _ in self._relative_trials(incumbent, opt, entries) if d]
+        return b if len(per) < 2 else (b[0], max(b[1], statistics.stdev(per) / math.sqrt(len(per))), b[2])
 
     def _beyond_noise(self, incumbent: TuningConfig, opt: Option, entries: list) -> bool:
         b = self._gain_bounds(incumbent, opt, entries) if entries else None

@@ -309,7 +309,7 @@ class Searcher(Racing, Looks, FinalDecision, Budget):
             if not cands:
                 continue
             best = min(cands, key=lambda x: statistics.median(fresh[x]))
-            gain, se, _ = self._gain_bounds(incumbent, best, raw_fresh[best])
+            gain, se, _ = self._look_bounds(incumbent, best, raw_fresh[best])
             thr = self._threshold(incumbent, best, se, len(raw_fresh[best]) if best in survivors else 1)
             choices[gemm] = {
                 "option": best.label,

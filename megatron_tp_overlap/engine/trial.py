@@ -135,6 +135,14 @@ class SearchOptions:
     # 60 s no setting helped. Real Command-R-like bf16 steps on H100, the same worlds: 60 s and 0.5 took 7 of 8 gains in
     # full (worst 75.5%), 120 s and 0 all 8 (results/2026-11-26_h100x4b/)
     later_look_least: float = 0.0
+    # 1: a leader's standard error from its fresh looks is at least their own spread (sd / sqrt(looks), from two on):
+    # on real GLM-4-9B-like FP8 steps (H200) proj_fprop looks of +0.035, +0.352 and -0.014 ms read 0.098 ms against a
+    # 0.009 ms threshold, since the pooled step spread leaves out a noisy forward's own (results/2026-11-28_h200x4b/)
+    look_spread: int = 1
+    # 1: a leader looks again (budget and max_looks permitting) while its interval still reaches a gain worth a switch
+    # (the issue's stop rule), not only while it is ahead: the same steps' truly faster proj_fprop read -0.073 ms
+    # against a 0.290 ms threshold after 3 looks and was left, at 61 s of 180
+    later_reach: int = 1
     # the final decision's quadruple gains are clipped at their median +- this many robust standard deviations
     # (paired.clipped; 0: not clipped): a stretch of slow steps in a few blocks left real 1.2-2.3% gains undecided
     clip_sds: float = 4.0
@@ -182,7 +190,7 @@ class SearchOptions:
             raise ValueError(
                 f"later_look_least = {self.later_look_least}: must be in [0, 1] (a share of the threshold)"
             )
-        for k in ("changed_slots", "rest_norm", "trial_noise", "fill_slots"):
+        for k in ("changed_slots", "rest_norm", "trial_noise", "fill_slots", "look_spread", "later_reach"):
             if getattr(self, k) not in (0, 1):
                 raise ValueError(f"{k} = {getattr(self, k)}: must be 0 or 1")
         if self.clip_sds < 0:
