@@ -123,6 +123,8 @@ def test_a_search_is_scored_against_the_truth():
     assert gain["gain_put_in_ms"] == round(gain["available_gain_pct"], 3)  # % of the simulator's 100 ms step, scale 1
     assert len(gain["gain_on_steps_ms"]) == 2
     assert all(abs(g - gain["gain_put_in_ms"]) < 0.5 for g in gain["gain_on_steps_ms"])
+    # per slot, the delay the best config takes out of the reference's: together the world's gain
+    assert abs(sum(b for b, _ in gain["slot_gain_ms"].values()) - gain["gain_put_in_ms"]) < 1e-3
     equal = sr.one_search(SimulatedReal(), 5001, 0.0)
     assert equal["kind"] == "equal" and equal["realized"] is None and equal["available_gain_pct"] == 0
     assert equal["false_winner"] == (equal["chosen"] != "reference") and equal["gain_on_steps_ms"] == []
@@ -317,3 +319,34 @@ def test_a_seed_that_leaves_its_gain_keeps_each_trial_of_the_slots_the_gain_was_
     assert line.startswith(f"seed 1001 (bf16, max_seconds=8) proj.fwd: {len(fast)} trials with less put in"), line
     looks = [x.split() for x in line.split("measured/put in ms: ")[1].split(", ")]
     assert all(p == "s" and float(x.split("/")[0]) < 0 and x.endswith("/-4.000") for p, x in looks), line
+
+
+def test_slot_visibility_finds_a_slot_that_absorbs_most_of_its_delay_and_the_bar_scores_on_what_shows(tmp_path, capsys):
+    """A slot whose own measurement shows 30% of a delay put in it (as GLM-4-9B-like FP8's qkv.fwd on one H200), the
+    others all of it: ``slot_visibility`` finds it, and ``real_steps_bar`` scores a search that left the gain put in
+    there on what the slots show, beside the bar on what was put in."""
+    slots = ["qkv.fwd", "proj.fwd", "fc1.bwd"]
+    shows = {"qkv.fwd": 0.3, "proj.fwd": 1.0, "fc1.bwd": 1.0}
+
+    def measure(slot):  # per slot ms, step ms; the step shows twice what qkv.fwd shows of its delay, 60%
+        extra = {s: (0.4 * shows[s] if s == slot else 0.0) for s in slots}
+        return {s: 1.0 + extra[s] for s in slots}, 30.0 + 0.4 * min(1.0, 2 * shows.get(slot, 0.0))
+
+    spec = importlib.util.spec_from_file_location("real_steps_bar", PATH.parent / "real_steps_bar.py")
+    rb = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rb)
+    vis = sr.slot_visibility(measure, slots, 0.4, rounds=4)
+    assert vis == {s: {"in_slot": shows[s], "on_step": min(1.0, 2 * shows[s])} for s in slots}
+    run = {"seed": 7, "variant": "defaults", "kind": "gain", "realized": 0.5, "excess_pct": -1.0}
+    run |= {"false_winner": False, "seconds": 60.0, "choices_accepted": []}
+    left = run | {"slot_gain_ms": {"qkv.fwd": [0.3, 0.0], "proj.fwd": [0.3, 0.3]}}  # qkv_fprop's gain left
+    (tmp_path / "r").mkdir()
+    data = {"megatron_args": ["--fp8-format", "hybrid"], "slot_visibility": vis, "runs": [left]}
+    (tmp_path / "r" / "search_on_real_steps.json").write_text(json.dumps(data))
+    runs = rb.load([str(tmp_path)])
+    assert round(rb.realized_as_shown(runs[0]), 4) == round(0.3 / (0.3 * 0.3 + 0.3), 4)  # 77%, not 50%
+    assert rb.main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "FP8, scored on what the slots show: 0 of 1 in full, worst 76.9% (7)" in out
+    assert "slots showing under 80% of a delay: qkv.fwd 0.30" in out
+    assert rb.realized_as_shown(run) is None and rb.shown_lines([{**run, "dtype": "bf16", "file": "x"}]) == []

@@ -8,7 +8,9 @@ seeds and searches, the gains taken in full, the worst realized share and its se
 worlds, the equal worlds that accepted a choice (each one a chance for the final decision to err), the seconds per
 search, and whether the bar holds: at least ``--seeds`` seeds, the worst seed at least ``--worst`` of its gain, no false
 winner, the median search within the budget. Then, for each seed that left a gain and kept its trials
-(``miss_trace``), what each look at the slots of that gain measured against the delay taken out.
+(``miss_trace``), what each look at the slots of that gain measured against the delay taken out. Where the results
+carry ``slot_visibility`` (since the thirty-second session), it also prints each dtype's gains scored on what the slots
+show of a delay (:func:`realized_as_shown`).
 """
 
 from __future__ import annotations
@@ -34,8 +36,41 @@ def load(paths: list[str]) -> list[dict]:
         except json.JSONDecodeError as e:  # a log beside the folders, given by a glob
             raise ValueError(f"{f}: not a search_on_real_steps.json ({e.msg})") from None
         dtype = "FP8" if "--fp8-format" in d.get("megatron_args", []) else "bf16"
-        runs += [{**r, "dtype": dtype, "file": str(f)} for r in d["runs"]]
+        vis = d.get("slot_visibility")
+        runs += [{**r, "dtype": dtype, "file": str(f), "slot_visibility": vis} for r in d["runs"]]
     return runs
+
+
+def realized_as_shown(run: dict) -> float | None:
+    """A search's realized share scored on what the slots show: each slot's put-in gain (``slot_gain_ms``: the
+    best config's, the chosen one's) weighted by the share of a delay its own measurement showed (``slot_visibility``
+    ``in_slot``, clipped to [0, 1]). None without both, or where the slots show no gain at all."""
+    vis, gains = run.get("slot_visibility"), run.get("slot_gain_ms")
+    if not vis or not gains:
+        return None
+    w = {s: min(1.0, max(0.0, vis[s]["in_slot"])) for s in gains if s in vis}
+    best = sum(w[s] * gains[s][0] for s in w)
+    return sum(w[s] * gains[s][1] for s in w) / best if best > 0 else None
+
+
+def shown_lines(runs: list[dict]) -> list[str]:
+    """Per dtype with ``slot_visibility``: the gains scored on what the slots show (:func:`realized_as_shown`), and
+    the slots that show under 80% of a delay."""
+    out = []
+    for dtype in sorted({r["dtype"] for r in runs}):
+        shown = [(x, r) for r in runs if r["dtype"] == dtype and (x := realized_as_shown(r)) is not None]
+        if not shown:
+            continue
+        x, low = min(shown, key=lambda t: t[0])
+        files = {r["file"]: r["slot_visibility"] for _, r in shown}
+        weak = sorted(
+            {f"{s} {v['in_slot']:.2f}" for vis in files.values() for s, v in vis.items() if v["in_slot"] < 0.8}
+        )
+        out.append(
+            f"{dtype}, scored on what the slots show: {sum(v >= 0.999 for v, _ in shown)} of {len(shown)} in full, "
+            f"worst {100 * x:.1f}% ({low['seed']}); slots showing under 80% of a delay: {', '.join(weak) or 'none'}"
+        )
+    return out
 
 
 def budget_of(variant: str, default_s: float) -> float:
@@ -133,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"no search_on_real_steps.json under {' '.join(a.paths)}", file=sys.stderr)
         return 2
     print(table(bar(runs, a.seeds, a.worst, TuneOptions.seconds)))
+    if lines := shown_lines(runs):
+        print("\n" + "\n".join(lines))
     if lines := miss_lines(runs):
         print("\nthe looks at the slots where a gain was left (s screen, h halving, r recheck, ...):")
         print("\n".join(lines))

@@ -17,6 +17,11 @@ and the answer is known: realized share of the available gain, the chosen config
 reference, false winners where every config costs the same. Userbuffers' own noise (TP communication) is not in
 it: that needs a multi-GPU run.
 
+What the delays show is measured too, since a host-bound slot can absorb part of its delay (GLM-4-9B-like FP8's
+attention forwards on one H200, results/2026-11-28_h200x4b/): at the start, per slot, the share of a delay of 1% of
+the step that shows in the slot and on the step (``slot_visibility``), and around each search with a gain, the world's
+gain on whole steps (``gain_on_steps``). ``real_steps_bar.py`` scores the searches on what the slots show as well.
+
 Runs alternate between seeds with a gain and ``equal`` seeds until ``--runs`` or ``--minutes`` is reached; each run's
 result is written as it ends (``search_on_real_steps.json``), and the table is printed last. ``--runs 1 --repeat N``:
 one world searched N times (a worst seed, again: is it the world or the moment?). ``--preset``: worlds with
@@ -157,11 +162,33 @@ class RealSteps:
         b.synchronize()
         return a.elapsed_time(b) / steps
 
-    def __call__(self, config, n: int, warmup: int):
+    def _timed(self, n: int) -> tuple[dict[str, list[float]], list[float]]:
+        """``n`` steps timed by the tuner's ``SlotTimer``: per slot and per step, ms."""
         import torch
-        from trial_noise import simulated_switch
 
         from megatron_tp_overlap.engine.measure import SlotTimer
+
+        timer = SlotTimer(self.modules)
+        with timer:
+            for _ in range(n):
+                timer.begin_step()
+                self.steps.step()
+                timer.end_step()
+            torch.cuda.synchronize()
+            return timer.collect(list(self.topo.slots()))
+
+    def with_delay(self, slot: str | None, delay_ms: float, steps: int = 5) -> tuple[dict[str, float], float]:
+        """Per slot and per step, mean ms of ``steps`` steps with ``delay_ms`` put in ``slot`` alone (None: no delay
+        anywhere), after one warm-up step (:func:`slot_visibility`). Outside the search: the next trial switches."""
+        self.delays.set({slot: delay_ms} if slot else {})
+        self.live = None
+        self.steps.step()
+        slot_ms, step_ms = self._timed(steps)
+        return {s: statistics.fmean(v) for s, v in slot_ms.items() if v}, statistics.fmean(step_ms)
+
+    def __call__(self, config, n: int, warmup: int):
+        from trial_noise import simulated_switch
+
         from megatron_tp_overlap.engine.search import Measurement
 
         t = time.perf_counter()
@@ -171,16 +198,28 @@ class RealSteps:
             self.live, self.switches = config, self.switches + 1
         for _ in range(warmup):
             self.steps.step()
-        timer = SlotTimer(self.modules)
-        with timer:
-            for _ in range(n):
-                timer.begin_step()
-                self.steps.step()
-                timer.end_step()
-            torch.cuda.synchronize()
-            slot_ms, step_ms = timer.collect(list(self.topo.slots()))
+        slot_ms, step_ms = self._timed(n)
         now = time.perf_counter()
         return Measurement(slot_ms, step_ms, now - self.t0, n + warmup, now - t)
+
+
+def slot_visibility(measure, slots: list[str], delay_ms: float, rounds: int = 6) -> dict[str, dict[str, float]]:
+    """Per slot, the share of a delay put in that slot alone that shows in the slot's own measurement (``in_slot``)
+    and on the whole step (``on_step``). ``measure(slot)``: (per slot ms, step ms) with ``delay_ms`` put in ``slot``
+    (None: none; :meth:`RealSteps.with_delay`), in ``rounds`` ABBA-ordered pairs; the median pair's difference over
+    ``delay_ms``. The study scores a search against the delays it puts in. A slot that absorbs part of its delay
+    breaks that: GLM-4-9B-like FP8's attention forwards on one H200 showed 30% and 60% of a delay taken out in their
+    own slots (results/2026-11-28_h200x4b/), and then a gain put in there is not one the steps have."""
+    out = {}
+    for s in slots:
+        own, step = [], []
+        for r in range(rounds):
+            m = {k: measure(k) for k in ((None, s) if r % 2 == 0 else (s, None))}
+            own.append(m[s][0][s] - m[None][0][s])
+            step.append(m[s][1] - m[None][1])
+        med = lambda v: round(statistics.median(v) / delay_ms, 3)  # noqa: E731
+        out[s] = {"in_slot": med(own), "on_step": med(step)}
+    return out
 
 
 def probe_delays(real: RealSteps) -> dict:
@@ -215,6 +254,12 @@ def gain_on_steps(real, ref, best, rounds: int = 6) -> float:
         ms = {cfg: real.step_ms_of(cfg) for cfg in order}
         diffs.append(ms[ref] - ms[best])
     return round(statistics.median(diffs), 3)
+
+
+def slot_gains(real, ref, best, chosen) -> dict[str, list[float]]:
+    """Per slot with a gain: [the delay (ms) the best config takes out of the reference's, the chosen config's]."""
+    r, b, c = (real.slot_excess_ms(x) for x in (ref, best, chosen))
+    return {s: [round(r[s] - b[s], 4), round(r[s] - c[s], 4)] for s in r if r[s] - b[s] > 0 or r[s] - c[s] != 0}
 
 
 def one_search(real: RealSteps, seed: int, gain: float, preset: bool = False, variant: str = "") -> dict:
@@ -260,6 +305,9 @@ def one_search(real: RealSteps, seed: int, gain: float, preset: bool = False, va
         "available_gain_pct": round(100 * (ref_ms - best_ms) / sim.STEP_MS, 3),
         "gain_put_in_ms": round(real.scale * (ref_ms - best_ms), 3),
         "gain_on_steps_ms": on_steps,  # measured on whole steps before and after the search (gain_on_steps)
+        # per slot, the delay put in (ms) the best config and the chosen one take out of the reference's: with
+        # slot_visibility, the gain scored on what the slots show (real_steps_bar.py)
+        "slot_gain_ms": slot_gains(real, ref, best, res.best) if gain > 0 else {},
         "realized": realized,
         "excess_pct": round(100 * (chosen_ms - ref_ms) / sim.STEP_MS, 3),  # true, of the simulated step
         "false_winner": false_winner,
@@ -429,7 +477,11 @@ def inner(
         result["preset"], result["variants"] = preset, list(variants)
         result["runs"] = []
         result["probe"] = probe_delays(real)  # the put-in delay, measured on whole steps
+        # how much of a delay of 1% of the step shows, put in each slot alone (in the slot, on the step)
+        d = 0.01 * step_ms
+        result["slot_visibility"] = slot_visibility(lambda s: real.with_delay(s, d), list(topo.slots()), d)
         delays.set({})
+        print(f"[search_on_real_steps] slot_visibility {json.dumps(result['slot_visibility'])}", flush=True)
 
         def save() -> None:  # after each part: a run cut short keeps what it measured
             if int(os.environ.get("RANK", "0")) == 0:
