@@ -4,8 +4,9 @@ Only fresh samples accept a leader, so that the luckiest of many raced estimates
 first look always runs; a second and a third, kept in the budget, only while a leader is inconclusive; later ones (up
 to ``SearchOptions.max_looks``) take what the budget has left once the final decision and what precedes it are kept,
 and only for a leader ahead (at least ``later_look_least`` of the way to the noise; 0 by default: any share) and by a
-quarter of a gain worth a switch, or one the racing put ahead beyond the noise while fewer than three of its looks
-count. Every choice still goes through the final decision.
+quarter of a gain worth a switch, one the racing put ahead beyond the noise while fewer than three of its looks count,
+or one whose interval still reaches a gain worth a switch (``later_reach``). A leader's standard error from its looks
+is at least their own spread (``look_spread``). Every choice still goes through the final decision.
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ class Looks:
         # ``later_look_least`` of the way to it, up to ``max_looks`` looks (real Command-R-like steps: 17104's
         # fc1_wgrad, 0.36 ms in its fourth)
         hit, kept = (self.budget_hit, self.limit_hit), lambda: self._kept(decision_cost(), contenders, 0)
-        worth = self._worth(incumbent) / 4  # a quarter of a gain worth a switch: not 0.02 ms of 100
+        switch = self._worth(incumbent)
+        worth = switch / 4  # a quarter of a gain worth a switch: not 0.02 ms of 100
 
         def short(x: Option) -> bool:  # raced beyond the noise, with fewer than RECHECKS looks that count (one whose
             # incumbent jumped around it is left out: decision_sim burst seed 192's third, so -1.37 and +0.75 decided)
@@ -82,7 +84,7 @@ class Looks:
             return (
                 self._inconclusive(incumbent, x, e, s, 0 if s else o.later_look_least, 0 if s else worth)
                 or bool(o.later_reach)
-                and self._reaches(incumbent, x, e, 4 * worth)
+                and self._reaches(incumbent, x, e, switch)
             )
 
         for _ in range(RECHECKS, o.max_looks):
