@@ -132,10 +132,20 @@ def test_a_leader_whose_looks_disagree_needs_more_of_them_and_gets_them_while_it
     gain, world = sim.seed_gain(149), sim.GAIN_SEED + 149
     runs = {
         rules: sim.run_once("hostfwd", gain, world, SearchOptions(look_spread=rules[0], later_reach=rules[1]))
-        for rules in ((0, 0), (1, 0), (1, 1))
+        for rules in ((1, 0), (1, 1))
     }
     looks = {rules: len(o.choices["proj_fprop"]["per_look_ms"]) for rules, o in runs.items()}
-    assert {rules: round(o.realized, 3) for rules, o in runs.items()} == {(0, 0): 1.0, (1, 0): 0.614, (1, 1): 1.0}
-    assert looks == {(0, 0): 3, (1, 0): 7, (1, 1): 18}
+    assert {rules: round(o.realized, 3) for rules, o in runs.items()} == {(1, 0): 0.614, (1, 1): 1.0}
+    assert looks == {(1, 0): 7, (1, 1): 18}
     assert runs[(1, 1)].seconds <= SearchOptions().max_seconds and SearchOptions().look_spread == 1
     assert SearchOptions().later_reach == 1
+
+
+def test_the_look_rules_take_gains_that_glm_like_noisy_forwards_left():
+    """decision_sim hostglm (real GLM-4-9B-like FP8 steps on H200: qkv.fwd, proj.fwd and fc2.fwd trials ~0.24 ms apart
+    alike): without the thirty-second session's look rules seed 72 took 57.0% of its gain (6 of 200 seeds below 80%);
+    with them all of it (4 below, the worst unchanged at 43.9%: 149's true options were ruled out in the racing;
+    decision_sim README, thirty-second section)."""
+    gain, world = sim.seed_gain(72), sim.GAIN_SEED + 72
+    assert round(sim.run_once("hostglm", gain, world, SearchOptions(look_spread=0, later_reach=0)).realized, 3) == 0.57
+    assert sim.run_once("hostglm", gain, world).realized == 1.0

@@ -4,8 +4,8 @@ A simulated GPT layer stack (qkv/proj/fc1/fc2, 12 GEMMs) where every config's tr
 what real trial steps show (H200, Megatron-LM): per-slot GPU noise, host jitter on the step, a step time that drifts
 (ramp) or jumps (+25% for a third of the budget), a periodic slow step, the power limit's clock oscillation (measured:
 benchmarks/results/2026-11-23_h200x1/trial_noise/), free-running or restarting in phase after every switch
-(../verify_noise/), a host-bound forward caught by a burst of slow steps for a whole trial (burst), and one whose
-trials sit 22% apart (hostfwd). Per seed a few options of a few GEMMs are truly faster (together ``gain`` of the
+(../verify_noise/), a host-bound forward caught by a burst of slow steps for a whole trial (burst), one whose
+trials sit 22% apart (hostfwd), and three such forwards (hostglm). Per seed a few options of a few GEMMs are truly faster (together ``gain`` of the
 step), or none is (``equal``). The search runs on it unchanged (:class:`~engine.search.Searcher` with the default
 options) and is scored by the true cost of what it chose:
 
@@ -47,7 +47,7 @@ OFF_MS = 4.5  # a GEMM with overlap off
 DISTURBED_STEPS = 400  # the steps the disturbances are laid over (jump: its middle third), where searches run (140-200)
 SCENARIOS = (
     "iid", "ramp", "jump", "periodic", "position", "jitter", "power", "locked", "hostbound", "trial", "trial_wide",
-    "burst", "hostfwd",
+    "burst", "hostfwd", "hostglm",
 )  # fmt: skip
 # "trial": each trial's slots sit apart from the last trial's, alike for its steps (host work, clocks after a gap), the
 # forwards more: what real dense steps showed (results/2026-11-26_h200x2b/: 17 of 24 equal worlds accepted a choice)
@@ -68,6 +68,9 @@ FWD |= {"fc1.fwd": (0.0, 0.01, 0.02), "fc2.fwd": (0.0, 0.01, 0.02)}
 # incumbent trials: median 1.03 ms with 0.345 ms put in, of a 56.3 ms step: 0.69 ms, 1.2% of it; the simulator's
 # 3 ms GEMM is 3%, and at 22% of that its trials sat twice as far apart as the real ones, against gains alike)
 FWD_FASTEST = {"proj.fwd": 1.2}
+# "hostglm": real GLM-4-9B-like FP8 steps on one H200 (results/2026-11-28_h200x4b/: the incumbent's trials ~0.24 ms
+# apart in qkv.fwd, proj.fwd and fc2.fwd alike, 14-22% of their levels): hostfwd with qkv.fwd and fc2.fwd as noisy
+GLM = FWD | {"qkv.fwd": (0.0, 0.05, 0.08), "fc2.fwd": (0.0, 0.03, 0.08)}
 
 
 @dataclass
@@ -118,10 +121,10 @@ class SimulatedRun:
         self.costs: dict[TuningConfig, dict[str, float]] = {}
         phase = rng.uniform(0, 2 * math.pi) if scenario == "power" else 0.0  # where in its period the run starts
         self.disturb = disturbance(scenario, span_steps, phase)
-        self.wide = {"trial_wide": WIDE, "hostfwd": FWD}.get(scenario, {})
+        self.wide = {"trial_wide": WIDE, "hostfwd": FWD, "hostglm": GLM}.get(scenario, {})
         self.trial_sd = {s: v[2] for s, v in self.wide.items()} or (TRIAL_SD if scenario == "trial" else None)
         self.extra = {s: v[0] for s, v in self.wide.items()}  # ms per slot on top of its GEMMs', out of the step's rest
-        if scenario == "hostfwd":
+        if scenario in ("hostfwd", "hostglm"):
             self.extra |= {s: ms - sum(world.fastest_ms(g) for g in SLOTS[s]) for s, ms in FWD_FASTEST.items()}
         self.burst = scenario == "burst"
 
@@ -134,7 +137,7 @@ class SimulatedRun:
             ms = {s: sum(self.world.gemm_ms(g, config) for g in gs) for s, gs in SLOTS.items()}
             self.costs[config] = {s: v + self.extra.get(s, 0.0) for s, v in ms.items()}
         cost = self.costs[config]
-        if self.trial_sd:  # this trial's own level per slot (scenarios "trial", "trial_wide", "hostfwd")
+        if self.trial_sd:  # this trial's own level per slot (scenarios trial, trial_wide, host*)
             cost = {s: v * (1 + self.rng.gauss(0, self.trial_sd[s])) for s, v in cost.items()}
         if self.burst:  # a forward caught by a burst of slow steps for the whole trial
             p, lo, hi = BURST

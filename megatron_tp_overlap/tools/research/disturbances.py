@@ -14,6 +14,7 @@ SLOT_NOISE = 0.005  # relative GPU noise per slot and step
 # 21304: proj.fwd at 0.92 ms in the one racing trial of an option truly 0.31 ms faster, between incumbent trials at
 # 0.71 and 0.81 ms; results/2026-11-27_h100x4/); (probability, least, most)
 BURST = (0.05, 0.3, 1.0)
+OWN_LEVELS = ("trial", "trial_wide", "hostfwd", "hostglm")  # scenarios whose trials have levels of their own
 
 
 def disturbance(
@@ -51,7 +52,7 @@ def disturbance(
             return 1 + 0.017 * math.sin(2 * math.pi * (since - 1.5) / 4), 0.0, 0.013
         if scenario == "burst":  # 2% GPU noise per slot and step; SimulatedRun adds each trial's bursts (BURST)
             return 1.0, 0.0, 0.02
-        if scenario not in ("trial", "trial_wide", "hostfwd"):  # their trials' own levels (and noise): SimulatedRun's
+        if scenario not in OWN_LEVELS:  # their trials' own levels (and noise): SimulatedRun's
             raise ValueError(f"unknown scenario {scenario!r}")
         return 1.0, 0.0, SLOT_NOISE
 
