@@ -107,10 +107,10 @@ class SimulatedReal:
             self.live, self.switches = config, self.switches + 1
         return self.run(config, n, warmup)
 
-    def step_ms_of(self, config, steps: int = 5) -> float:  # whole steps outside the search, on their own noise
+    def step_ms_of(self, config) -> float:  # whole steps outside the search, on their own noise (5, as RealSteps)
         if getattr(self, "checks", (None,))[0] is not self.world:
             self.checks = (self.world, sim.SimulatedRun(self.world, self.scenario, random.Random(self.seed + 1), 400))
-        return statistics.fmean(self.checks[1](config, steps, 1).step_ms)
+        return statistics.fmean(self.checks[1](config, 5, 1).step_ms)
 
 
 def test_a_search_is_scored_against_the_truth():

@@ -146,24 +146,8 @@ class RealSteps:
             s: self.scale * sum(self.world.excess_ms(g, config) / share[g] for g in gemms) for s, gemms in slots.items()
         }
 
-    def step_ms_of(self, config, steps: int = 5) -> float:
-        """GPU ms per step of ``config`` (its delays put in, one warm-up step), events over ``steps`` consecutive
-        steps with no host sync between them, as in a trial. Outside the search: the next trial switches again."""
-        import torch
-
-        self.delays.set(self.slot_excess_ms(config))
-        self.live = None
-        self.steps.step()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(steps):
-            self.steps.step()
-        b.record()
-        b.synchronize()
-        return a.elapsed_time(b) / steps
-
     def _timed(self, n: int) -> tuple[dict[str, list[float]], list[float]]:
-        """``n`` steps timed by the tuner's ``SlotTimer``: per slot and per step, ms."""
+        """``n`` steps timed by the tuner's ``SlotTimer`` (no host sync between them): per slot and per step, ms."""
         import torch
 
         from megatron_tp_overlap.engine.measure import SlotTimer
@@ -177,14 +161,18 @@ class RealSteps:
             torch.cuda.synchronize()
             return timer.collect(list(self.topo.slots()))
 
-    def with_delay(self, slot: str | None, delay_ms: float, steps: int = 5) -> tuple[dict[str, float], float]:
-        """Per slot and per step, mean ms of ``steps`` steps with ``delay_ms`` put in ``slot`` alone (None: no delay
-        anywhere), after one warm-up step (:func:`slot_visibility`). Outside the search: the next trial switches."""
-        self.delays.set({slot: delay_ms} if slot else {})
+    def measure_with(self, slot_ms: dict[str, float], steps: int = 5) -> tuple[dict[str, float], float]:
+        """Mean ms per slot and per step of ``steps`` steps with the delays ``slot_ms`` put in (``Delays.set``), after
+        one warm-up step: outside the search (the next trial switches again)."""
+        self.delays.set(slot_ms)
         self.live = None
         self.steps.step()
-        slot_ms, step_ms = self._timed(steps)
-        return {s: statistics.fmean(v) for s, v in slot_ms.items() if v}, statistics.fmean(step_ms)
+        per_slot, step_ms = self._timed(steps)
+        return {s: statistics.fmean(v) for s, v in per_slot.items() if v}, statistics.fmean(step_ms)
+
+    def step_ms_of(self, config) -> float:
+        """Mean ms of a step of ``config`` (its delays put in; :meth:`measure_with`)."""
+        return self.measure_with(self.slot_excess_ms(config))[1]
 
     def __call__(self, config, n: int, warmup: int):
         from trial_noise import simulated_switch
@@ -206,7 +194,7 @@ class RealSteps:
 def slot_visibility(measure, slots: list[str], delay_ms: float, rounds: int = 6) -> dict[str, dict[str, float]]:
     """Per slot, the share of a delay put in that slot alone that shows in the slot's own measurement (``in_slot``)
     and on the whole step (``on_step``). ``measure(slot)``: (per slot ms, step ms) with ``delay_ms`` put in ``slot``
-    (None: none; :meth:`RealSteps.with_delay`), in ``rounds`` ABBA-ordered pairs; the median pair's difference over
+    (None: none; :meth:`RealSteps.measure_with`), in ``rounds`` ABBA-ordered pairs; the median pair's difference over
     ``delay_ms``. The study scores a search against the delays it puts in. A slot that absorbs part of its delay
     breaks that: GLM-4-9B-like FP8's attention forwards on one H200 showed 30% and 60% of a delay taken out in their
     own slots (results/2026-11-28_h200x4b/), and then a gain put in there is not one the steps have."""
@@ -479,7 +467,9 @@ def inner(
         result["probe"] = probe_delays(real)  # the put-in delay, measured on whole steps
         # how much of a delay of 1% of the step shows, put in each slot alone (in the slot, on the step)
         d = 0.01 * step_ms
-        result["slot_visibility"] = slot_visibility(lambda s: real.with_delay(s, d), list(topo.slots()), d)
+        result["slot_visibility"] = slot_visibility(
+            lambda s: real.measure_with({s: d} if s else {}), list(topo.slots()), d
+        )
         delays.set({})
         print(f"[search_on_real_steps] slot_visibility {json.dumps(result['slot_visibility'])}", flush=True)
 
