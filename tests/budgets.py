@@ -4,13 +4,14 @@ were recorded at them (the mechanisms are the same at today's 180 s defaults), a
 CPU time of a 120 s one (pytest's 90 s bound on a 2-core clone). ``AT_120``: the defaults of the twenty-sixth to the
 thirtieth session (120 s, up to 20 looks), where later mechanisms' tests were recorded: at 180 s the budget alone takes
 some of the gains that those mechanisms were needed for. Both keep the thirty-second session's two look rules off
-(``look_spread``, ``later_reach``), which came after every one of those recordings."""
+(``look_spread``, ``later_reach``) and the thirty-third's runners-up (``runners_up``), which came after every one of
+those recordings."""
 
 from megatron_tp_overlap.engine.search import SearchOptions
 
-AT_60 = {"max_seconds": 60.0, "max_looks": 6, "later_look_least": 0.5, "look_spread": 0, "later_reach": 0}
-AT_120 = {"max_seconds": 120.0, "max_looks": 20, "look_spread": 0, "later_reach": 0}
-AT_31 = {"look_spread": 0, "later_reach": 0}  # the thirty-first session's search: today's budget, the two rules off
+AT_60 = {"max_seconds": 60.0, "max_looks": 6, "later_look_least": 0.5, "look_spread": 0, "later_reach": 0, "runners_up": 0}
+AT_120 = {"max_seconds": 120.0, "max_looks": 20, "look_spread": 0, "later_reach": 0, "runners_up": 0}
+AT_31 = {"look_spread": 0, "later_reach": 0, "runners_up": 0}  # the thirty-first session's search: today's budget, the two rules off
 
 
 def at_60(**changes) -> SearchOptions:

@@ -94,6 +94,78 @@ class Looks:
         self.budget_hit, self.limit_hit = hit  # these looks end at the reserve by design
         return survivors, raw_fresh, unhalved
 
+    def _runners_up(
+        self,
+        incumbent: TuningConfig,
+        race: Race,
+        raw_fresh: Raw,
+        accepted: set[str],
+        decision_cost: Callable[[], Work],
+        contenders: int,
+    ) -> tuple[list[Option], dict[str, tuple[dict, tuple[Option, float]]]]:
+        """Fresh looks at the runners-up of each GEMM with no choice ``accepted`` yet, with what the budget has left once
+        the final decision and what precedes it are kept: at most ``runners_up`` per GEMM, the best raced first and
+        only while its raced interval reaches a gain worth a switch. In a noisy forward the luckiest of many equal
+        options can lead the racing (decision_sim hostglm seed 149: a true 0.316 ms ``proj_fprop`` raced 4th of 20, at
+        24 samples each; real GLM-4-9B-like FP8 steps: 22420, 22424, 22440). A runner-up looks until accepted (its
+        threshold is that of a later look: ``late_z`` more, since it is one more test), until its interval no longer
+        reaches a gain worth a switch, or ``max_looks``; then the GEMM's next. The GEMMs run side by side. Returns the
+        runners-up looked at, and per GEMM the accepted one's choice (``Searcher._choose``, judged as it was
+        accepted)."""
+        o, worth = self.opt, self._worth(incumbent)
+        bounds = {x: b for x, e in race.raw.items() if (b := self._gain_bounds(incumbent, x, e))}
+        queue: dict[str, list[Option]] = {}
+        for gemm in dict.fromkeys(x.gemm for x in bounds):
+            if gemm in accepted:
+                continue
+            mine = [
+                x
+                for x in bounds
+                if x.gemm == gemm and x not in raw_fresh and bounds[x][0] + o.z * bounds[x][1] >= worth
+            ]
+            queue[gemm] = sorted(mine, key=lambda x: -bounds[x][0])[: o.runners_up]
+        current: dict[str, Option] = {}
+        runners: list[Option] = []
+        took: dict[str, tuple[dict, tuple[Option, float]]] = {}
+        hit, kept = (self.budget_hit, self.limit_hit), lambda: self._kept(decision_cost(), contenders, 0)
+        while True:
+            for gemm in list(queue):
+                x = current.get(gemm)
+                if x is not None and self._accepts(incumbent, x, raw_fresh[x]):
+                    choice, best = self._choose(incumbent, runners, {x: raw_fresh[x]})
+                    took[gemm] = choice[gemm], best[gemm]
+                    del queue[gemm], current[gemm]  # this GEMM has its choice
+                    continue
+                if (
+                    x is not None
+                    and len(raw_fresh[x]) < o.max_looks
+                    and self._reaches(incumbent, x, raw_fresh[x], worth)
+                ):
+                    continue  # it looks again
+                if not queue[gemm]:
+                    del queue[gemm]
+                    current.pop(gemm, None)
+                    continue
+                current[gemm] = queue[gemm].pop(0)
+                self.runners.add(current[gemm])
+                runners.append(current[gemm])
+            batch = list(current.values())
+            if not batch or self._measure_options("recheck", incumbent, batch, o.recheck_steps, raw_fresh, kept):
+                break
+        self.budget_hit, self.limit_hit = hit  # these looks end at the reserve by design
+        if runners:
+            self.log(
+                f"[tp-overlap-autotune] {len(runners)} runners-up of {len({x.gemm for x in runners})} GEMMs whose "
+                f"leaders were not accepted had fresh looks, to {self.elapsed_s:.1f} s: "
+                + (", ".join(f"{g}: {c['option']} accepted" for g, (c, _) in took.items()) or "none accepted")
+            )
+        return runners, took
+
+    def _accepts(self, incumbent: TuningConfig, opt: Option, entries: list) -> bool:
+        """Whether fresh ``entries`` accept ``opt``: its gain beyond :meth:`_threshold` after that many looks."""
+        g, se, _ = self._look_bounds(incumbent, opt, entries) or (0.0, 0.0, 0)
+        return g > self._threshold(incumbent, opt, se, len(entries))
+
     def _kept(self, decision: Work, contenders: int, rechecks: int) -> Work:
         """What later phases keep of the budget: the final decision (``decision``; nothing while not priced yet), the
         numerics check, the selection round's runoff and ``rechecks`` fresh looks at the leaders."""
@@ -144,8 +216,8 @@ class Looks:
 
     def _threshold(self, incumbent: TuningConfig, opt: Option, se: float, looks: int = 1) -> float:
         """The gain a re-checked leader must beat after ``looks`` fresh looks: z standard errors (``late_z`` more from
-        the fourth look on), and a gain worth a switch."""
-        z = self.opt.z + (self.opt.late_z if looks > RECHECKS else 0.0)
+        the fourth look on, and for a runner-up), and a gain worth a switch."""
+        z = self.opt.z + (self.opt.late_z if looks > RECHECKS or opt in self.runners else 0.0)
         return max(z * se, self.opt.rel_floor * self._incumbent_level(incumbent, opt))
 
     def recheck_work(self) -> Work:

@@ -66,6 +66,7 @@ class Searcher(Racing, Looks, FinalDecision, Budget):
         self.search_end = ""  # why the search's re-measurement ended (engine/racing.py)
         self.coverage_report: dict[str, dict] = {}  # per slot: what was tried and left
         self._slots_cache: dict[Option, frozenset[str]] = {}
+        self.runners: set[Option] = set()  # runners-up given fresh looks (engine/looks.py): judged as later looks
         self._cache: dict[tuple, object] = {}  # incumbent trials and tracks, keyed by the trials run so far
         self.elapsed = elapsed  # the agreed wall seconds so far, when work outside trials (numerics) took time
         self.verified: dict[TuningConfig, str | None] = {}
@@ -291,6 +292,15 @@ class Searcher(Racing, Looks, FinalDecision, Budget):
             self.log(race.ended)
         leaders = self._settle(incumbent, race)
         survivors, raw_fresh, unhalved = self._look(incumbent, race, leaders, decision_cost, len(contenders) + 1)
+        # 3. per GEMM: the best survivor, kept if it beats the incumbent (at the same moment) beyond the noise; judged
+        #    as its looks end (the runners-up's trials move the pooled spreads and trial levels: on decision_sim
+        #    trial_wide seed 102 a leader's threshold went from 0.243 to 0.422 ms after them, and a true 0.346 ms left)
+        choices, best_of = self._choose(incumbent, survivors, raw_fresh)
+        accepted = {g for g, c in choices.items() if c["accepted"]}
+        runners, took = self._runners_up(incumbent, race, raw_fresh, accepted, decision_cost, len(contenders) + 1)
+        survivors += runners
+        for g, (c, best) in took.items():
+            choices[g], best_of[g] = c | {"runner_up": True}, best
         self._note_cut_short(len(options), unscreened, samples, race, survivors, unhalved)
         self.coverage_report = self.coverage(options, race, set(survivors) & set(raw_fresh))
         taus = self._taus(incumbent) if o.trial_noise else {}
@@ -298,30 +308,7 @@ class Searcher(Racing, Looks, FinalDecision, Budget):
             r["rest_scaled_by"] = self._betas().get(s, 0.0)
             r["trial_level_pct"] = round(100 * taus.get(s, 0.0), 3)  # counted in the racing (engine/trial_effect.py)
             r["step_spread_pct"] = round(100 * self._sigma(s), 3)  # the slot's own; the standard errors pool them
-        per_look = {opt: self._relative_trials(incumbent, opt, e) for opt, e in raw_fresh.items()}
-        fresh = {opt: v for opt, p in per_look.items() if (v := [x for diffs, _ in p for x in diffs])}
-
-        # 3. per GEMM: the best survivor, kept if it beats the incumbent (at the same moment) beyond the noise.
-        choices: dict[str, dict] = {}
-        best_of: dict[str, tuple[Option, float]] = {}
-        for gemm in self.space:
-            cands = [opt for opt in fresh if opt.gemm == gemm]
-            if not cands:
-                continue
-            best = min(cands, key=lambda x: statistics.median(fresh[x]))
-            gain, se, _ = self._look_bounds(incumbent, best, raw_fresh[best])
-            thr = self._threshold(incumbent, best, se, len(raw_fresh[best]) if best in survivors else 1)
-            choices[gemm] = {
-                "option": best.label,
-                "gain_ms": round(gain, 4),
-                "noise_ms": round(thr, 4),
-                "accepted": gain > thr,
-                "slot": ",".join(sorted(self._slots_of(best))),
-                "samples": len(fresh[best]),
-                # each fresh trial's own gain (ms): how far apart the looks were (a level each trial shares)
-                "per_look_ms": [round(-statistics.median(d), 4) for d, _ in per_look[best] if d],
-            }
-            best_of[gemm] = best, gain
+            r["runners_up"] = sorted(f"{x.gemm}: {x.label}" for x in runners if s in self._slots_of(x))
         # 4. the accepted choices in one config, largest gain first: where two cannot go together (a
         #    ring-exchange dgrad rules out a bulk wgrad of the same module) the smaller gives way, not whichever
         #    GEMM comes first. Numerics: the config must compute what the no-overlap reference computes; a choice
@@ -348,6 +335,37 @@ class Searcher(Racing, Looks, FinalDecision, Budget):
                 choices[g].update(accepted=False, note="every choice passes the numerics check alone, not together")
         combined = TuningConfig(combined.ub, combined.disabled, "autotuned")
         return self._confirm(combined, contenders, choices)
+
+    def _choose(
+        self, incumbent: TuningConfig, survivors: list[Option], raw_fresh: dict[Option, list]
+    ) -> tuple[dict[str, dict], dict[str, tuple[Option, float]]]:
+        """Per GEMM with fresh looks in ``raw_fresh``: its choice (the accepted one of the largest gain, else the best
+        of the looks; the report's entry) and (option, gain in ms)."""
+        per_look = {opt: self._relative_trials(incumbent, opt, e) for opt, e in raw_fresh.items()}
+        fresh = {opt: v for opt, p in per_look.items() if (v := [x for diffs, _ in p for x in diffs])}
+        choices: dict[str, dict] = {}
+        best_of: dict[str, tuple[Option, float]] = {}
+        for gemm in self.space:
+            cands = [opt for opt in fresh if opt.gemm == gemm]
+            if not cands:
+                continue
+            looks = lambda x: len(raw_fresh[x]) if x in survivors else 1  # noqa: E731
+            bounds = {x: self._look_bounds(incumbent, x, raw_fresh[x]) for x in cands}
+            thr = {x: self._threshold(incumbent, x, bounds[x][1], looks(x)) for x in cands}
+            ok = [x for x in cands if bounds[x][0] > thr[x]]
+            best = max(ok, key=lambda x: bounds[x][0]) if ok else min(cands, key=lambda x: statistics.median(fresh[x]))
+            choices[gemm] = {
+                "option": best.label,
+                "gain_ms": round(bounds[best][0], 4),
+                "noise_ms": round(thr[best], 4),
+                "accepted": bounds[best][0] > thr[best],
+                "slot": ",".join(sorted(self._slots_of(best))),
+                "samples": len(fresh[best]),
+                # each fresh trial's own gain (ms): how far apart the looks were (a level each trial shares)
+                "per_look_ms": [round(-statistics.median(d), 4) for d, _ in per_look[best] if d],
+            }
+            best_of[gemm] = best, bounds[best][0]
+        return choices, best_of
 
     def _combine(
         self, incumbent: TuningConfig, ordered: list[tuple[str, Option]]

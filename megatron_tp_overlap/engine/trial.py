@@ -143,6 +143,9 @@ class SearchOptions:
     # (the issue's stop rule), not only while it is ahead: the same steps' truly faster proj_fprop read -0.073 ms
     # against a 0.290 ms threshold after 3 looks and was left, at 61 s of 180
     later_reach: int = 1
+    # runners-up per GEMM given fresh looks with the budget left when none of its looked-at options is accepted
+    # (engine/looks.py ``_runners_up``; 0: none): in a noisy forward the luckiest of many equal options leads the racing
+    runners_up: int = 3
     # the final decision's quadruple gains are clipped at their median +- this many robust standard deviations
     # (paired.clipped; 0: not clipped): a stretch of slow steps in a few blocks left real 1.2-2.3% gains undecided
     clip_sds: float = 4.0
@@ -190,6 +193,8 @@ class SearchOptions:
             raise ValueError(
                 f"later_look_least = {self.later_look_least}: must be in [0, 1] (a share of the threshold)"
             )
+        if self.runners_up < 0:
+            raise ValueError(f"runners_up = {self.runners_up}: must be >= 0 (0: none)")
         for k in ("changed_slots", "rest_norm", "trial_noise", "fill_slots", "look_spread", "later_reach"):
             if getattr(self, k) not in (0, 1):
                 raise ValueError(f"{k} = {getattr(self, k)}: must be 0 or 1")
