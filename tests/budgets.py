@@ -9,9 +9,20 @@ those recordings."""
 
 from megatron_tp_overlap.engine.search import SearchOptions
 
-AT_60 = {"max_seconds": 60.0, "max_looks": 6, "later_look_least": 0.5, "look_spread": 0, "later_reach": 0, "runners_up": 0}
+AT_60 = {
+    "max_seconds": 60.0,
+    "max_looks": 6,
+    "later_look_least": 0.5,
+    "look_spread": 0,
+    "later_reach": 0,
+    "runners_up": 0,
+}
 AT_120 = {"max_seconds": 120.0, "max_looks": 20, "look_spread": 0, "later_reach": 0, "runners_up": 0}
-AT_31 = {"look_spread": 0, "later_reach": 0, "runners_up": 0}  # the thirty-first session's search: today's budget, the two rules off
+AT_31 = {
+    "look_spread": 0,
+    "later_reach": 0,
+    "runners_up": 0,
+}  # the thirty-first session's search: today's budget, the two rules off
 
 
 def at_60(**changes) -> SearchOptions:
