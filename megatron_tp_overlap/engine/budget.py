@@ -1,14 +1,18 @@
 """What the search can afford: seconds per step, per switch and per continuing trial from the agreed clock, and
-the final decision's reserve. A mixin of :class:`~engine.search.Searcher` (its state: ``opt``, ``elapsed_s``,
-``steps_run``, ``_spent``, ``_outside``, ``_reserve``)."""
+the final decision's reserve, and what the budget left out of what it must not. A mixin of
+:class:`~engine.search.Searcher` (its state: ``opt``, ``elapsed_s``, ``steps_run``, ``_spent``, ``_outside``,
+``_reserve``)."""
 
 from __future__ import annotations
 
 import statistics
+from typing import TYPE_CHECKING
 
-from megatron_tp_overlap.engine.trial import (
-    Work,
-)
+from megatron_tp_overlap.engine.trial import Work
+
+if TYPE_CHECKING:
+    from megatron_tp_overlap.engine.racing import Race
+    from megatron_tp_overlap.engine.space import Option
 
 
 class Budget:
@@ -105,6 +109,36 @@ class Budget:
         while self.block_steps > 1 and too_long(self.block_steps):
             self.block_steps -= 1
         return o.decision_work(contenders, self.block_steps)
+
+    def _note_cut_short(
+        self,
+        n_options: int,
+        unscreened: int,
+        samples: dict[Option, list[float]],
+        race: Race,
+        rechecks: list,
+        missed: int,
+    ) -> None:
+        """Says what the budget left out of what it must not: every option screened, the best-screened of each GEMM
+        re-measured, each leader re-checked (the rest of the racing is what the budget allows)."""
+        firsts = {
+            min((x for x in samples if x.gemm == g), key=lambda x: statistics.median(samples[x]))
+            for g in {x.gemm for x in samples}
+        }
+        missed += sum(x not in race.raw for x in firsts)
+        if not (unscreened or missed):
+            return
+        per_trial = statistics.fmean(sec for *_, sec, _ in self._spent[1:] or self._spent) if self._spent else 0.0
+        self.cut_short = (
+            f"the budget ran out during the search: {n_options - unscreened} of {n_options} options "
+            f"screened, {len(firsts) + len(rechecks) - missed} of {len(firsts) + len(rechecks)} re-measured"
+            + (
+                f" (at {per_trial:.2f} s per trial the whole search needs about "
+                f"{self.planned_trials * per_trial:.0f} s: {self._raise_hint()}, or shorten the trial steps)"
+                if per_trial > 0
+                else ""
+            )
+        )
 
 
 def wall_per_step(trials: list[tuple[int, float]]) -> float | None:

@@ -96,10 +96,11 @@ class Racing(rest_scaling.RestScaling):
                 out.append(([v - ref for v in score], brackets.ref_var(pts, pos, t.position)))
         return out
 
-    def _incumbent_level(self, incumbent: TuningConfig, opt: Option) -> float:
-        slots = self._slots_of(opt)
-        vals = [v for t in self._incumbent_trials(incumbent) for v in (self._score(t.slot_samples, slots) or [])]
-        return statistics.median(vals) if vals else 0.0
+    def _incumbent_level(self, incumbent: TuningConfig, opt: Option) -> float:  # its slots' median ms (cached)
+        if (key := ("inc_level", incumbent, self._slots_of(opt), len(self.trials))) not in self._cache:
+            vals = [v for t in self._incumbent_trials(incumbent) for v in (self._score(t.slot_samples, key[2]) or [])]
+            self._cache[key] = statistics.median(vals) if vals else 0.0
+        return self._cache[key]
 
     def _opt_sigma(self, incumbent: TuningConfig, opt: Option) -> float:
         """One step's spread of ``opt``'s slots (ms): the search's pooled relative spread times each slot's level
@@ -313,12 +314,15 @@ class Racing(rest_scaling.RestScaling):
         a hostbound seed's final decision to undecided (seed 31: 100 -> 0%); results/2026-11-26_h200x4b/."""
         key = ("sigma", len(self.trials))
         if key not in self._cache:
-            per: dict[str, list[tuple[tuple[int, int], float, float, float]]] = {}
-            for t in self.trials:
+            # the trials' differences so far, extended by the new trials only (while the rest scaling is the same)
+            acc = self._cache.setdefault(("sigma_acc", tuple(sorted(self._betas().items()))), [0, {}])
+            per: dict[str, list[tuple[tuple[int, int], float, float, float]]] = acc[1]
+            for t in self.trials[acc[0] :]:
                 for s, *pair in self._trial_diffs(t):
                     per.setdefault(s, []).append(tuple(pair))
+            acc[0] = len(self.trials)
             pooled = stats.positional_sd([p for v in per.values() for p in v])
-            self._cache[key] = pooled, per
+            self._cache[key] = pooled, {s: list(v) for s, v in per.items()}
         pooled, per = self._cache[key]
         if slot is None or len(per.get(slot, ())) < MIN_SLOT_PAIRS:
             return pooled
@@ -345,38 +349,10 @@ class Racing(rest_scaling.RestScaling):
         return self._cache[key]
 
     def _worth(self, incumbent: TuningConfig) -> float:  # a gain worth a switch (ms): rel_floor of the incumbent's step
-        vals = [v for t in self._incumbent_trials(incumbent) for v in t.step_samples]
-        return self.opt.rel_floor * statistics.median(vals) if vals else 0.0
-
-    def _note_cut_short(
-        self,
-        n_options: int,
-        unscreened: int,
-        samples: dict[Option, list[float]],
-        race: Race,
-        rechecks: list,
-        missed: int,
-    ) -> None:
-        """Says what the budget left out of what it must not: every option screened, the best-screened of each GEMM
-        re-measured, each leader re-checked (the rest of the racing is what the budget allows)."""
-        firsts = {
-            min((x for x in samples if x.gemm == g), key=lambda x: statistics.median(samples[x]))
-            for g in {x.gemm for x in samples}
-        }
-        missed += sum(x not in race.raw for x in firsts)
-        if not (unscreened or missed):
-            return
-        per_trial = statistics.fmean(sec for *_, sec, _ in self._spent[1:] or self._spent) if self._spent else 0.0
-        self.cut_short = (
-            f"the budget ran out during the search: {n_options - unscreened} of {n_options} options "
-            f"screened, {len(firsts) + len(rechecks) - missed} of {len(firsts) + len(rechecks)} re-measured"
-            + (
-                f" (at {per_trial:.2f} s per trial the whole search needs about "
-                f"{self.planned_trials * per_trial:.0f} s: {self._raise_hint()}, or shorten the trial steps)"
-                if per_trial > 0
-                else ""
-            )
-        )
+        if (key := ("worth", incumbent, len(self.trials))) not in self._cache:
+            vals = [v for t in self._incumbent_trials(incumbent) for v in t.step_samples]
+            self._cache[key] = self.opt.rel_floor * statistics.median(vals) if vals else 0.0
+        return self._cache[key]
 
     def coverage(self, options: list[Option], race: Race, rechecked: set[Option]) -> dict[str, dict]:
         """Per slot: how many options it has, how many were screened and re-measured (and how often), which leaders
