@@ -32,8 +32,8 @@ class TuneOptions:
     seconds: float = _opt(
         180.0,
         "Budget: wall seconds of tuning (a hard cap, the trial in flight included). A search ends early once nothing "
-        "left can pay for a switch: medians of 60-115 s on real H100/H200 steps of six shapes at 120 s; beyond that "
-        "runs only a search whose noisy slots leave a gain undecided.",
+        "left can pay for a switch; one whose noisy slots leave a GEMM undecided spends the rest on its runners-up "
+        "(medians of 114-116 s on real H200 steps of two shapes).",
     )
     steps: int = _opt(
         0,
