@@ -125,6 +125,8 @@ def test_a_search_is_scored_against_the_truth():
     assert all(abs(g - gain["gain_put_in_ms"]) < 0.5 for g in gain["gain_on_steps_ms"])
     # per slot, the delay the best config takes out of the reference's: together the world's gain
     assert abs(sum(b for b, _ in gain["slot_gain_ms"].values()) - gain["gain_put_in_ms"]) < 1e-3
+    # per slot what the racing measured, as counts, and the runners-up that had fresh looks, by name
+    assert all(isinstance(r["runners_up"], list) and isinstance(r["options"], int) for r in gain["per_slot"].values())
     equal = sr.one_search(SimulatedReal(), 5001, 0.0)
     assert equal["kind"] == "equal" and equal["realized"] is None and equal["available_gain_pct"] == 0
     assert equal["false_winner"] == (equal["chosen"] != "reference") and equal["gain_on_steps_ms"] == []

@@ -270,7 +270,8 @@ def one_search(real: RealSteps, seed: int, gain: float, preset: bool = False, va
     on_steps = [gain_on_steps(real, ref, best)] if gain > 0 else []
     real.start(world)
     with heap.frozen():  # as tuning does
-        res = Searcher(real.topo, space, real, sim.CTX, options).run(ref, baselines)
+        say = lambda line: print(f"[seed {seed}] {line}", flush=True)  # noqa: E731 - the search's own lines
+        res = Searcher(real.topo, space, real, sim.CTX, options, log=say).run(ref, baselines)
     on_steps += [gain_on_steps(real, ref, best)] if gain > 0 else []
     ref_ms, chosen_ms = world.step_ms(ref), world.step_ms(res.best)
     best_ms = world.step_ms(best)
@@ -324,11 +325,13 @@ def one_search(real: RealSteps, seed: int, gain: float, preset: bool = False, va
         },
         "selection_gain_ms": d.get("selection_gain_ms"),
         # why a gain was left: the world's truly faster options, each GEMM's leader after the racing, per slot what
-        # the racing measured, how much of the rest's slowdown it took out and the trial level it counted
+        # the racing measured (counts; the runners-up by name), how much of the rest's slowdown it took out and the
+        # trial level it counted
         "world_fast": sorted(f"{g}: {label}" for g, label in world.fast),
         "choices": res.choices,
         "per_slot": {
-            s: {k: v if isinstance(v, (int, float)) else len(v) for k, v in c.items()} for s, c in res.coverage.items()
+            s: {k: v if isinstance(v, (int, float)) or k == "runners_up" else len(v) for k, v in c.items()}
+            for s, c in res.coverage.items()
         },
         "miss_trace": miss_trace(res.trials, traced, real.slot_excess_ms)
         if false_winner or realized is not None and realized < 0.999
