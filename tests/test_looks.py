@@ -8,8 +8,9 @@ from dataclasses import dataclass
 import pytest
 from budgets import at_60, at_120
 
+from megatron_tp_overlap.engine.looks import Looks
 from megatron_tp_overlap.engine.search import Searcher, SearchOptions
-from megatron_tp_overlap.engine.trial import SearchResult
+from megatron_tp_overlap.engine.trial import SearchResult, TrialFailed
 from megatron_tp_overlap.tools.research import decision_sim as sim
 
 SLOW = (0.082, 0.2, 0.0)  # the clock of real Command-R-like trials: s per step, s per switch, s outside trials
@@ -199,3 +200,29 @@ def test_the_runners_up_are_logged_once_and_named_per_slot_in_the_report():
     per_slot = searcher.coverage_report
     assert 1 <= len(per_slot["proj.fwd"]["runners_up"]) <= SearchOptions().runners_up
     assert all(not r["runners_up"] for s, r in per_slot.items() if s.endswith("bwd"))
+
+
+def test_a_runner_up_whose_trials_fail_is_passed_over_and_the_search_goes_on(monkeypatch):
+    """A runner-up's trials can fail on a real GPU (a switch that does not take): it gets no looks, the GEMM's next
+    runner-up takes its place, and the search ends as usual (hostglm seed 149, its true ``proj_fprop`` failing in every
+    trial once the runners-up start)."""
+    rng, started = random.Random(sim.GAIN_SEED + 149), []
+    space = sim.build_space(sim.TOPO, sim.CTX, [sim.UbConfig()])
+    world = sim.make_world(space, sim.seed_gain(149), rng)
+    ref = sim.TuningConfig(sim.UbConfig(), frozenset(), "reference")
+    run = sim.SimulatedRun(world, "hostglm", rng)
+
+    def evaluate(config, steps, warmup):
+        c = config.ub.get("proj_fprop")
+        if started and c is not None and ("proj_fprop", c.describe()) in world.fast:
+            raise TrialFailed("the switch did not take")
+        return run(config, steps, warmup)
+
+    runners_up = Looks._runners_up
+    monkeypatch.setattr(Looks, "_runners_up", lambda self, *a: started.append(1) or runners_up(self, *a))
+    searcher = Searcher(sim.TOPO, space, evaluate, sim.CTX)
+    res = searcher.run(ref, {"no overlap": sim.all_off(sim.TOPO, ref)})
+    failed = [t for t in searcher.trials if t.error and t.phase == "recheck"]
+    assert failed and not res.choices["proj_fprop"]["accepted"]
+    assert len(searcher.coverage_report["proj.fwd"]["runners_up"]) == SearchOptions().runners_up
+    assert res.elapsed_s <= SearchOptions().max_seconds

@@ -6,7 +6,9 @@ to ``SearchOptions.max_looks``) take what the budget has left once the final dec
 and only for a leader ahead (at least ``later_look_least`` of the way to the noise; 0 by default: any share) and by a
 quarter of a gain worth a switch, one the racing put ahead beyond the noise while fewer than three of its looks count,
 or one whose interval still reaches a gain worth a switch (``later_reach``). A leader's standard error from its looks
-is at least their own spread (``look_spread``). Every choice still goes through the final decision.
+is at least their own spread (``look_spread``). A GEMM with no looked-at option accepted then gives fresh looks to
+its best raced runners-up with what the budget has left (``runners_up``). Every choice still goes through the final
+decision.
 """
 
 from __future__ import annotations
@@ -131,16 +133,13 @@ class Looks:
         while True:
             for gemm in list(queue):
                 x = current.get(gemm)
-                if x is not None and self._accepts(incumbent, x, raw_fresh[x]):
-                    choice, best = self._choose(incumbent, runners, {x: raw_fresh[x]})
+                e = raw_fresh.get(x, [])  # none where its trials failed: the GEMM's next runner-up, if any
+                if e and self._accepts(incumbent, x, e):
+                    choice, best = self._choose(incumbent, runners, {x: e})
                     took[gemm] = choice[gemm], best[gemm]
                     del queue[gemm], current[gemm]  # this GEMM has its choice
                     continue
-                if (
-                    x is not None
-                    and len(raw_fresh[x]) < o.max_looks
-                    and self._reaches(incumbent, x, raw_fresh[x], worth)
-                ):
+                if e and len(e) < o.max_looks and self._reaches(incumbent, x, e, worth):
                     continue  # it looks again
                 if not queue[gemm]:
                     del queue[gemm]
