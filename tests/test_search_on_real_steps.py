@@ -107,10 +107,13 @@ class SimulatedReal:
             self.live, self.switches = config, self.switches + 1
         return self.run(config, n, warmup)
 
-    def step_ms_of(self, config) -> float:  # whole steps outside the search, on their own noise (5, as RealSteps)
+    def measure_of(self, config, steps: int = 5) -> tuple[dict[str, float], float]:  # outside the search
         if getattr(self, "checks", (None,))[0] is not self.world:
             self.checks = (self.world, sim.SimulatedRun(self.world, self.scenario, random.Random(self.seed + 1), 400))
-        return statistics.fmean(self.checks[1](config, 5, 1).step_ms)
+        m = self.checks[1](config, steps, 1)  # whole steps on their own noise, as RealSteps.measure_of
+        return {s: statistics.fmean(v) for s, v in m.slot_ms.items() if v}, statistics.fmean(m.step_ms)
+
+    step_ms_of = sr.RealSteps.step_ms_of
 
 
 def test_a_search_is_scored_against_the_truth():
@@ -313,7 +316,11 @@ def test_a_seed_that_leaves_its_gain_keeps_each_trial_of_the_slots_the_gain_was_
         and all(r[0] == "screen" for r in fast)
         and all(r[2] < min(b[2] for b in rows if b[3] == 4.0) for r in fast)
     )
-    assert sr.one_search(SimulatedReal(), 1001, 0.04)["miss_trace"] is None  # taken in full: nothing kept
+    # measured at its size after the search: the 4 ms delay left shows whole in the slot (the simulator absorbs none)
+    (shown,) = missed["miss_shown"].values()
+    assert list(missed["miss_shown"]) == ["proj.fwd"] and abs(shown["in_slot_ms"] - 4.0) < 3 * shown["in_slot_se_ms"]
+    taken = sr.one_search(SimulatedReal(), 1001, 0.04)
+    assert taken["miss_trace"] is None and taken["miss_shown"] == {}  # taken in full: nothing kept
     spec = importlib.util.spec_from_file_location("real_steps_bar", PATH.parent / "real_steps_bar.py")
     rb = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(rb)
@@ -352,3 +359,32 @@ def test_slot_visibility_finds_a_slot_that_absorbs_most_of_its_delay_and_the_bar
     assert "FP8, scored on what the slots show: 0 of 1 in full, worst 76.9% (7)" in out
     assert "slots showing under 80% of a delay: qkv.fwd 0.30" in out
     assert rb.realized_as_shown(run) is None and rb.shown_lines([{**run, "dtype": "bf16", "file": "x"}]) == []
+
+
+def test_a_delay_left_is_measured_at_its_size_and_the_bar_scores_its_upper_end():
+    """A host-bound slot absorbs a small delay whole (Granite-3-8B-like FP8's proj.fwd on H200): ``miss_shown``
+    measures what the delay left shows at its size, and the bar weighs that slot by the upper end of what showed
+    (mean + 2 standard errors), not by ``slot_visibility``'s share of a larger delay."""
+    rng = random.Random(3)
+    shows = {"proj.fwd": 0.0, "fc1.bwd": 0.25}  # ms of the delay left that each slot's measurement shows
+
+    def measure(which):  # per slot ms, step ms, with noise; the chosen config keeps the delays
+        extra = shows if which == "chosen" else dict.fromkeys(shows, 0.0)
+        return {s: 1.0 + extra[s] + rng.gauss(0, 0.01) for s in shows}, 30.0 + sum(extra.values()) + rng.gauss(0, 0.1)
+
+    m = sr.miss_shown(measure, list(shows), pairs=40)
+    for s, x in shows.items():
+        assert abs(m[s]["in_slot_ms"] - x) < 3 * m[s]["in_slot_se_ms"] and 0.0005 < m[s]["in_slot_se_ms"] < 0.004
+    assert abs(m["proj.fwd"]["on_step_ms"] - 0.25) < 3 * m["proj.fwd"]["on_step_se_ms"]
+    spec = importlib.util.spec_from_file_location("real_steps_bar", PATH.parent / "real_steps_bar.py")
+    rb = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rb)
+    vis = {s: {"in_slot": 0.66, "on_step": 0.5} for s in ("proj.fwd", "qkv.bwd")}
+    run = {"seed": 9, "dtype": "FP8", "slot_visibility": vis, "miss_shown": {"proj.fwd": m["proj.fwd"]}}
+    run["slot_gain_ms"] = {"proj.fwd": [0.15, 0.0], "qkv.bwd": [0.3, 0.3]}
+    up = (m["proj.fwd"]["in_slot_ms"] + 2 * m["proj.fwd"]["in_slot_se_ms"]) / 0.15
+    assert rb.shown_share(run, "proj.fwd") == max(0.0, up) and rb.shown_share(run, "qkv.bwd") == 0.66
+    assert rb.realized_as_shown(run) == 0.66 * 0.3 / (0.66 * 0.3 + max(0.0, up) * 0.15)
+    assert rb.realized_as_shown({**run, "miss_shown": {}}) == 0.3 / 0.45  # without it: slot_visibility alike
+    (line,) = rb.miss_shown_lines([run])
+    assert line.startswith("seed 9 (FP8) proj.fwd: 0.150 ms left; shows ") and "ms in the slot" in line

@@ -10,7 +10,8 @@ search, and whether the bar holds: at least ``--seeds`` seeds, the worst seed at
 winner, the median search within the budget. Then, for each seed that left a gain and kept its trials
 (``miss_trace``), what each look at the slots of that gain measured against the delay taken out. Where the results
 carry ``slot_visibility`` (since the thirty-second session), it also prints each dtype's gains scored on what the slots
-show of a delay (:func:`realized_as_shown`).
+show of a delay (:func:`realized_as_shown`), and where a delay left was measured at its size (``miss_shown``, since the
+thirty-fourth session) what it showed.
 """
 
 from __future__ import annotations
@@ -41,16 +42,41 @@ def load(paths: list[str]) -> list[dict]:
     return runs
 
 
+def shown_share(run: dict, slot: str) -> float | None:
+    """The share of its put-in gain that ``slot`` shows, [0, 1]: where the chosen config left a delay and it was
+    measured at its size after the search (``miss_shown``, since the thirty-fourth session), the upper end of that
+    measurement (mean + 2 standard errors) over the delay left; else ``slot_visibility``'s share of a delay of 1% of
+    the step in the slot's own measurement; None with neither."""
+    b, c = run["slot_gain_ms"][slot]
+    if (m := (run.get("miss_shown") or {}).get(slot)) and b - c > 0:
+        return min(1.0, max(0.0, (m["in_slot_ms"] + 2 * m["in_slot_se_ms"]) / (b - c)))
+    vis = run.get("slot_visibility") or {}
+    return min(1.0, max(0.0, vis[slot]["in_slot"])) if slot in vis else None
+
+
 def realized_as_shown(run: dict) -> float | None:
     """A search's realized share scored on what the slots show: each slot's put-in gain (``slot_gain_ms``: the
-    best config's, the chosen one's) weighted by the share of a delay its own measurement showed (``slot_visibility``
-    ``in_slot``, clipped to [0, 1]). None without both, or where the slots show no gain at all."""
-    vis, gains = run.get("slot_visibility"), run.get("slot_gain_ms")
-    if not vis or not gains:
+    best config's, the chosen one's) weighted by the share it shows (:func:`shown_share`). None without both, or
+    where the slots show no gain at all."""
+    gains = run.get("slot_gain_ms")
+    if not gains or not (run.get("slot_visibility") or run.get("miss_shown")):
         return None
-    w = {s: min(1.0, max(0.0, vis[s]["in_slot"])) for s in gains if s in vis}
+    w = {s: x for s in gains if (x := shown_share(run, s)) is not None}
     best = sum(w[s] * gains[s][0] for s in w)
     return sum(w[s] * gains[s][1] for s in w) / best if best > 0 else None
+
+
+def miss_shown_lines(runs: list[dict]) -> list[str]:
+    """Per seed and slot where a delay was left and measured at its size (``miss_shown``): what it shows."""
+    out = []
+    for r in runs:
+        for s, m in (r.get("miss_shown") or {}).items():
+            b, c = r["slot_gain_ms"][s]
+            out.append(
+                f"seed {r['seed']} ({r['dtype']}) {s}: {b - c:.3f} ms left; shows {m['in_slot_ms']:+.3f} +- "
+                f"{m['in_slot_se_ms']:.3f} ms in the slot, {m['on_step_ms']:+.3f} +- {m['on_step_se_ms']:.3f} on the step"
+            )
+    return out
 
 
 def shown_lines(runs: list[dict]) -> list[str]:
@@ -64,7 +90,7 @@ def shown_lines(runs: list[dict]) -> list[str]:
         x, low = min(shown, key=lambda t: t[0])
         files = {r["file"]: r["slot_visibility"] for _, r in shown}
         weak = sorted(
-            {f"{s} {v['in_slot']:.2f}" for vis in files.values() for s, v in vis.items() if v["in_slot"] < 0.8}
+            {f"{s} {v['in_slot']:.2f}" for vis in files.values() if vis for s, v in vis.items() if v["in_slot"] < 0.8}
         )
         out.append(
             f"{dtype}, scored on what the slots show: {sum(v >= 0.999 for v, _ in shown)} of {len(shown)} in full, "
@@ -170,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     print(table(bar(runs, a.seeds, a.worst, TuneOptions.seconds)))
     if lines := shown_lines(runs):
         print("\n" + "\n".join(lines))
+    if lines := miss_shown_lines(runs):
+        print("\nwhat each delay left shows at its size (chosen minus best config, ABBA pairs, mean +- se):")
+        print("\n".join(lines))
     if lines := miss_lines(runs):
         print("\nthe looks at the slots where a gain was left (s screen, h halving, r recheck, ...):")
         print("\n".join(lines))

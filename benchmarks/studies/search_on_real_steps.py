@@ -170,9 +170,13 @@ class RealSteps:
         per_slot, step_ms = self._timed(steps)
         return {s: statistics.fmean(v) for s, v in per_slot.items() if v}, statistics.fmean(step_ms)
 
+    def measure_of(self, config, steps: int = 5) -> tuple[dict[str, float], float]:
+        """Mean ms per slot and per step of ``config`` (its delays put in; :meth:`measure_with`)."""
+        return self.measure_with(self.slot_excess_ms(config), steps)
+
     def step_ms_of(self, config) -> float:
-        """Mean ms of a step of ``config`` (its delays put in; :meth:`measure_with`)."""
-        return self.measure_with(self.slot_excess_ms(config))[1]
+        """Mean ms of a step of ``config`` (:meth:`measure_of`)."""
+        return self.measure_of(config)[1]
 
     def __call__(self, config, n: int, warmup: int):
         from trial_noise import simulated_switch
@@ -244,6 +248,36 @@ def gain_on_steps(real, ref, best, rounds: int = 6) -> float:
     return round(statistics.median(diffs), 3)
 
 
+MISS_PAIRS = 40  # ABBA pairs per miss (miss_shown): a host-bound slot's trial medians spread about 0.2 ms
+MISS_STEPS = 8  # steps per measurement there: twice a racing trial's (SearchOptions.halving_steps)
+
+
+def miss_shown(measure, slots: list[str], pairs: int = MISS_PAIRS) -> dict[str, dict[str, float]]:
+    """Per slot in ``slots`` (those where the chosen config keeps a delay the best takes out): how much of that delay,
+    at its own size, the slot's own measurement and the whole step show. ``measure(which)`` for "best" and "chosen":
+    (per slot ms, step ms); ``pairs`` ABBA-ordered pairs; mean and standard error of chosen minus best (ms). A slot
+    that waits for the host absorbs a small delay whole and a larger one in part (Granite-3-8B-like FP8's proj.fwd on
+    H200: 0.00 +- 0.03 ms of a 0.153 ms delay read by 39 paired trials, 66% of a 0.30 ms one by slot_visibility;
+    results/2026-11-28_h200x2b/), so ``slot_visibility``'s share at 1% of a step does not say what a miss costs."""
+    own: dict[str, list[float]] = {s: [] for s in slots}
+    step = []
+    for r in range(pairs):
+        m = {k: measure(k) for k in (("best", "chosen") if r % 2 == 0 else ("chosen", "best"))}
+        for s in slots:
+            own[s].append(m["chosen"][0][s] - m["best"][0][s])
+        step.append(m["chosen"][1] - m["best"][1])
+
+    def mean_se(v: list[float]) -> tuple[float, float]:
+        return round(statistics.fmean(v), 4), round(statistics.stdev(v) / math.sqrt(len(v)), 4)
+
+    on_step, on_step_se = mean_se(step)
+    out = {}
+    for s in slots:
+        in_slot, se = mean_se(own[s])
+        out[s] = {"in_slot_ms": in_slot, "in_slot_se_ms": se, "on_step_ms": on_step, "on_step_se_ms": on_step_se}
+    return out
+
+
 def slot_gains(real, ref, best, chosen) -> dict[str, list[float]]:
     """Per slot with a gain: [the delay (ms) the best config takes out of the reference's, the chosen config's]."""
     r, b, c = (real.slot_excess_ms(x) for x in (ref, best, chosen))
@@ -280,6 +314,7 @@ def one_search(real: RealSteps, seed: int, gain: float, preset: bool = False, va
     # the GEMMs a miss is about: the world's faster ones a gain left, or the choices a false winner accepted
     about = {g for g, _ in world.fast} if gain > 0 else {g for g, c in res.choices.items() if c.get("accepted")}
     traced = [s for s, gemms in real.topo.slots().items() if about & set(gemms)]
+    gains = slot_gains(real, ref, best, res.best) if gain > 0 else {}
     d = res.decision
     decided = next((c.config for c in res.contenders if c.name == d.get("candidate")), ref)
     return {
@@ -296,7 +331,7 @@ def one_search(real: RealSteps, seed: int, gain: float, preset: bool = False, va
         "gain_on_steps_ms": on_steps,  # measured on whole steps before and after the search (gain_on_steps)
         # per slot, the delay put in (ms) the best config and the chosen one take out of the reference's: with
         # slot_visibility, the gain scored on what the slots show (real_steps_bar.py)
-        "slot_gain_ms": slot_gains(real, ref, best, res.best) if gain > 0 else {},
+        "slot_gain_ms": gains,
         "realized": realized,
         "excess_pct": round(100 * (chosen_ms - ref_ms) / sim.STEP_MS, 3),  # true, of the simulated step
         "false_winner": false_winner,
@@ -336,6 +371,10 @@ def one_search(real: RealSteps, seed: int, gain: float, preset: bool = False, va
         "miss_trace": miss_trace(res.trials, traced, real.slot_excess_ms)
         if false_winner or realized is not None and realized < 0.999
         else None,
+        # per slot the chosen config leaves a delay in, what that delay shows at its size (after the search)
+        "miss_shown": miss_shown(lambda w: real.measure_of(res.best if w == "chosen" else best, MISS_STEPS), missed)
+        if (missed := [s for s, (b, c) in gains.items() if b - c > 1e-4])
+        else {},
     }
 
 
