@@ -113,7 +113,7 @@ class SimulatedReal:
         m = self.checks[1](config, steps, 1)  # whole steps on their own noise, as RealSteps.measure_of
         return {s: statistics.fmean(v) for s, v in m.slot_ms.items() if v}, statistics.fmean(m.step_ms)
 
-    step_ms_of = sr.RealSteps.step_ms_of
+    step_ms_of, trial_of = sr.RealSteps.step_ms_of, sr.RealSteps.trial_of
 
 
 def test_a_search_is_scored_against_the_truth():
@@ -319,8 +319,10 @@ def test_a_seed_that_leaves_its_gain_keeps_each_trial_of_the_slots_the_gain_was_
     # measured at its size after the search: the 4 ms delay left shows whole in the slot (the simulator absorbs none)
     (shown,) = missed["miss_shown"].values()
     assert list(missed["miss_shown"]) == ["proj.fwd"] and abs(shown["in_slot_ms"] - 4.0) < 3 * shown["in_slot_se_ms"]
+    (trials,) = missed["miss_in_trials"].values()  # ... and in racing trials, each after a switch
+    assert abs(trials["in_slot_ms"] - 4.0) < 3 * trials["in_slot_se_ms"]
     taken = sr.one_search(SimulatedReal(), 1001, 0.04)
-    assert taken["miss_trace"] is None and taken["miss_shown"] == {}  # taken in full: nothing kept
+    assert taken["miss_trace"] is None and taken["miss_shown"] == taken["miss_in_trials"] == {}  # nothing kept
     spec = importlib.util.spec_from_file_location("real_steps_bar", PATH.parent / "real_steps_bar.py")
     rb = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(rb)

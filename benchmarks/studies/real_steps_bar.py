@@ -70,11 +70,17 @@ def miss_shown_lines(runs: list[dict]) -> list[str]:
     """Per seed and slot where a delay was left and measured at its size (``miss_shown``): what it shows."""
     out = []
     for r in runs:
+        trials = r.get("miss_in_trials") or {}
         for s, m in (r.get("miss_shown") or {}).items():
             b, c = r["slot_gain_ms"][s]
             out.append(
                 f"seed {r['seed']} ({r['dtype']}) {s}: {b - c:.3f} ms left; shows {m['in_slot_ms']:+.3f} +- "
                 f"{m['in_slot_se_ms']:.3f} ms in the slot, {m['on_step_ms']:+.3f} +- {m['on_step_se_ms']:.3f} on the step"
+                + (
+                    f"; in racing trials {t['in_slot_ms']:+.3f} +- {t['in_slot_se_ms']:.3f}"
+                    if (t := trials.get(s))
+                    else ""
+                )
             )
     return out
 

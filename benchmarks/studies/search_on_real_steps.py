@@ -178,6 +178,12 @@ class RealSteps:
         """Mean ms of a step of ``config`` (:meth:`measure_of`)."""
         return self.measure_of(config)[1]
 
+    def trial_of(self, config, steps: int, warmup: int) -> tuple[dict[str, float], float]:
+        """Median ms per slot and per step of a racing trial of ``config``: always after a simulated switch."""
+        self.live = None
+        m = self(config, steps, warmup)
+        return {s: statistics.median(v) for s, v in m.slot_ms.items() if v}, statistics.median(m.step_ms)
+
     def __call__(self, config, n: int, warmup: int):
         from trial_noise import simulated_switch
 
@@ -315,6 +321,7 @@ def one_search(real: RealSteps, seed: int, gain: float, preset: bool = False, va
     about = {g for g, _ in world.fast} if gain > 0 else {g for g, c in res.choices.items() if c.get("accepted")}
     traced = [s for s, gemms in real.topo.slots().items() if about & set(gemms)]
     gains = slot_gains(real, ref, best, res.best) if gain > 0 else {}
+    missed, pick = [s for s, (b, c) in gains.items() if b - c > 1e-4], {"best": best, "chosen": res.best}
     d = res.decision
     decided = next((c.config for c in res.contenders if c.name == d.get("candidate")), ref)
     return {
@@ -371,9 +378,13 @@ def one_search(real: RealSteps, seed: int, gain: float, preset: bool = False, va
         "miss_trace": miss_trace(res.trials, traced, real.slot_excess_ms)
         if false_winner or realized is not None and realized < 0.999
         else None,
-        # per slot the chosen config leaves a delay in, what that delay shows at its size (after the search)
-        "miss_shown": miss_shown(lambda w: real.measure_of(res.best if w == "chosen" else best, MISS_STEPS), missed)
-        if (missed := [s for s, (b, c) in gains.items() if b - c > 1e-4])
+        # per slot the chosen config leaves a delay in, what that delay shows at its size after the search: on steps
+        # that follow steps (as training runs), and in racing trials (each after a switch, as the search sees it)
+        "miss_shown": miss_shown(lambda w: real.measure_of(pick[w], MISS_STEPS), missed) if missed else {},
+        "miss_in_trials": miss_shown(
+            lambda w: real.trial_of(pick[w], options.halving_steps, options.warmup_steps), missed
+        )
+        if missed
         else {},
     }
 
