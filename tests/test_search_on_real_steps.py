@@ -319,10 +319,12 @@ def test_a_seed_that_leaves_its_gain_keeps_each_trial_of_the_slots_the_gain_was_
     # measured at its size after the search: the 4 ms delay left shows whole in the slot (the simulator absorbs none)
     (shown,) = missed["miss_shown"].values()
     assert list(missed["miss_shown"]) == ["proj.fwd"] and abs(shown["in_slot_ms"] - 4.0) < 3 * shown["in_slot_se_ms"]
-    (trials,) = missed["miss_in_trials"].values()  # ... and in racing trials, each after a switch
-    assert abs(trials["in_slot_ms"] - 4.0) < 3 * trials["in_slot_se_ms"]
+    # ... and in racing trials (each after a switch), in the frozen heap, against the reference's other delays
+    for key in sr.MISS_CHECKS[1:]:
+        (trials,) = missed[key].values()
+        assert abs(trials["in_slot_ms"] - 4.0) < 3 * trials["in_slot_se_ms"], key
     taken = sr.one_search(SimulatedReal(), 1001, 0.04)
-    assert taken["miss_trace"] is None and taken["miss_shown"] == taken["miss_in_trials"] == {}  # nothing kept
+    assert taken["miss_trace"] is None and all(taken[k] == {} for k in sr.MISS_CHECKS)  # nothing kept
     spec = importlib.util.spec_from_file_location("real_steps_bar", PATH.parent / "real_steps_bar.py")
     rb = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(rb)
@@ -390,3 +392,6 @@ def test_a_delay_left_is_measured_at_its_size_and_the_bar_scores_its_upper_end()
     assert rb.realized_as_shown({**run, "miss_shown": {}}) == 0.3 / 0.45  # without it: slot_visibility alike
     (line,) = rb.miss_shown_lines([run])
     assert line.startswith("seed 9 (FP8) proj.fwd: 0.150 ms left; shows ") and "ms in the slot" in line
+    frozen = {"proj.fwd": {"in_slot_ms": 0.01, "in_slot_se_ms": 0.03}}
+    (line,) = rb.miss_shown_lines([run | {"miss_in_trials_frozen": frozen}])
+    assert line.endswith("on the step; frozen heap +0.010 +- 0.030"), line

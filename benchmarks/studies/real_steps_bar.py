@@ -66,21 +66,25 @@ def realized_as_shown(run: dict) -> float | None:
     return sum(w[s] * gains[s][1] for s in w) / best if best > 0 else None
 
 
+TRIAL_CHECKS = {  # search_on_real_steps.MISS_CHECKS after the first, as the lines name them
+    "miss_in_trials": "in racing trials",
+    "miss_in_trials_frozen": "frozen heap",
+    "miss_in_trials_on_reference": "against the reference",
+}
+
+
 def miss_shown_lines(runs: list[dict]) -> list[str]:
-    """Per seed and slot where a delay was left and measured at its size (``miss_shown``): what it shows."""
+    """Per seed and slot where a delay was left and measured at its size (``miss_shown``): what it shows on steps,
+    then in racing trials (each after a switch), in the frozen heap and against the reference's other delays."""
     out = []
     for r in runs:
-        trials = r.get("miss_in_trials") or {}
         for s, m in (r.get("miss_shown") or {}).items():
             b, c = r["slot_gain_ms"][s]
+            more = [(name, t) for k, name in TRIAL_CHECKS.items() if (t := (r.get(k) or {}).get(s))]
             out.append(
                 f"seed {r['seed']} ({r['dtype']}) {s}: {b - c:.3f} ms left; shows {m['in_slot_ms']:+.3f} +- "
                 f"{m['in_slot_se_ms']:.3f} ms in the slot, {m['on_step_ms']:+.3f} +- {m['on_step_se_ms']:.3f} on the step"
-                + (
-                    f"; in racing trials {t['in_slot_ms']:+.3f} +- {t['in_slot_se_ms']:.3f}"
-                    if (t := trials.get(s))
-                    else ""
-                )
+                + "".join(f"; {name} {t['in_slot_ms']:+.3f} +- {t['in_slot_se_ms']:.3f}" for name, t in more)
             )
     return out
 
