@@ -330,8 +330,12 @@ def test_a_seed_that_leaves_its_gain_keeps_each_trial_of_the_slots_the_gain_was_
     spec.loader.exec_module(rb)
     (line,) = rb.miss_lines([{**missed, "dtype": "bf16"}])
     assert line.startswith(f"seed 1001 (bf16, max_seconds=8) proj.fwd: {len(fast)} trials with less put in"), line
+    assert ("(mean " in line) == (len(fast) > 1), line  # the looks' mean, from two looks on
     looks = [x.split() for x in line.split("measured/put in ms: ")[1].split(", ")]
     assert all(p == "s" and float(x.split("/")[0]) < 0 and x.endswith("/-4.000") for p, x in looks), line
+    trace = [["bracket", 0, 1.0, 0.2], ["recheck", 9, 0.9, 0.0], ["bracket", 18, 1.1, 0.2], ["recheck", 27, 0.9, 0.0]]
+    (two,) = rb.miss_lines([{**missed, "dtype": "bf16", "miss_trace": {"proj.fwd": trace}}])
+    assert "proj.fwd: 2 trials with less put in (mean -0.150 +- 0.050 of -0.200), measured/put in ms: r -0.100" in two
 
 
 def test_slot_visibility_finds_a_slot_that_absorbs_most_of_its_delay_and_the_bar_scores_on_what_shows(tmp_path, capsys):

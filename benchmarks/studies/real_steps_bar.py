@@ -153,7 +153,8 @@ def bar(runs: list[dict], seeds: int, worst: float, budget_s: float) -> list[dic
 def miss_lines(runs: list[dict]) -> list[str]:
     """Per seed that left a gain (its ``miss_trace``), per slot: each trial of a config with less delay put in than the
     incumbent's, as the slot's measured change (ms, against the incumbent's trial nearest in position) beside the
-    change put in, with the phase's initial. A look that reads nothing where a delay was taken out shows here."""
+    change put in, with the phase's initial, and their mean and its standard error. A look that reads nothing where
+    a delay was taken out shows here."""
     out = []
     for r in runs:
         for slot, rows in (r.get("miss_trace") or {}).items():
@@ -161,14 +162,22 @@ def miss_lines(runs: list[dict]) -> list[str]:
             if not inc or r["kind"] != "gain":
                 continue
             ref_put = statistics.median(x[3] for x in inc)
-            looks = []
+            looks, seen, put_in = [], [], []
             for phase, pos, ms, put in rows:
                 if put < ref_put - 1e-9:
                     near = min(inc, key=lambda x: abs(x[1] - pos))
                     looks.append(f"{phase[0]} {ms - near[2]:+.3f}/{put - ref_put:+.3f}")
+                    seen.append(ms - near[2])
+                    put_in.append(put - ref_put)
+            mean = (
+                f" (mean {statistics.fmean(seen):+.3f} +- {statistics.stdev(seen) / len(seen) ** 0.5:.3f} of "
+                f"{statistics.fmean(put_in):+.3f})"
+                if len(seen) > 1
+                else ""
+            )
             out.append(
                 f"seed {r['seed']} ({r['dtype']}, {r.get('variant') or 'defaults'}) {slot}: "
-                f"{len(looks)} trials with less put in, measured/put in ms: {', '.join(looks) or 'none'}"
+                f"{len(looks)} trials with less put in{mean}, measured/put in ms: {', '.join(looks) or 'none'}"
             )
     return out
 
