@@ -254,17 +254,17 @@ def gain_on_steps(real, ref, best, rounds: int = 6) -> float:
     return round(statistics.median(diffs), 3)
 
 
-MISS_PAIRS = 40  # ABBA pairs per miss (miss_shown): a host-bound slot's trial medians spread about 0.2 ms
+MISS_PAIRS = 40  # ABBA pairs per miss (miss_shown): a host-bound slot's pairs spread 0.1-0.25 ms (0.02-0.04 ms se)
 MISS_STEPS = 8  # steps per measurement there: twice a racing trial's (SearchOptions.halving_steps)
 
 
 def miss_shown(measure, slots: list[str], pairs: int = MISS_PAIRS) -> dict[str, dict[str, float]]:
     """Per slot in ``slots`` (those where the chosen config keeps a delay the best takes out): how much of that delay,
     at its own size, the slot's own measurement and the whole step show. ``measure(which)`` for "best" and "chosen":
-    (per slot ms, step ms); ``pairs`` ABBA-ordered pairs; mean and standard error of chosen minus best (ms). A slot
-    that waits for the host absorbs a small delay whole and a larger one in part (Granite-3-8B-like FP8's proj.fwd on
-    H200: 0.00 +- 0.03 ms of a 0.153 ms delay read by 39 paired trials, 66% of a 0.30 ms one by slot_visibility;
-    results/2026-11-28_h200x2b/), so ``slot_visibility``'s share at 1% of a step does not say what a miss costs."""
+    (per slot ms, step ms); ``pairs`` ABBA-ordered pairs; mean and standard error of chosen minus best (ms). What a
+    host-bound slot shows of a delay varies with its size and the moment, so ``slot_visibility``'s share of 1% of a
+    step does not say what a miss costs (Granite-3-8B-like FP8's proj.fwd on H200: 60-66% of a 0.30 ms delay; of the
+    0.133-0.154 ms one a search left, 0.01-0.15 ms in four measurements; results/2026-11-28_h200x2b/)."""
     own: dict[str, list[float]] = {s: [] for s in slots}
     step = []
     for r in range(pairs):
