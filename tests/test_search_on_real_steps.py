@@ -320,7 +320,7 @@ def test_a_seed_that_leaves_its_gain_keeps_each_trial_of_the_slots_the_gain_was_
     (shown,) = missed["miss_shown"].values()
     assert list(missed["miss_shown"]) == ["proj.fwd"] and abs(shown["in_slot_ms"] - 4.0) < 3 * shown["in_slot_se_ms"]
     # ... and in racing trials (each after a switch), in the frozen heap, against the reference's other delays
-    for key in sr.MISS_CHECKS[1:]:
+    for key in list(sr.MISS_CHECKS)[1:]:
         (trials,) = missed[key].values()
         assert abs(trials["in_slot_ms"] - 4.0) < 3 * trials["in_slot_se_ms"], key
     taken = sr.one_search(SimulatedReal(), 1001, 0.04)

@@ -22,6 +22,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from search_on_real_steps import MISS_CHECKS  # the study's own names (this folder is on sys.path as a script's)
+
 from megatron_tp_overlap.engine.options import TuneOptions
 
 
@@ -66,13 +68,6 @@ def realized_as_shown(run: dict) -> float | None:
     return sum(w[s] * gains[s][1] for s in w) / best if best > 0 else None
 
 
-TRIAL_CHECKS = {  # search_on_real_steps.MISS_CHECKS after the first, as the lines name them
-    "miss_in_trials": "in racing trials",
-    "miss_in_trials_frozen": "frozen heap",
-    "miss_in_trials_on_reference": "against the reference",
-}
-
-
 def miss_shown_lines(runs: list[dict]) -> list[str]:
     """Per seed and slot where a delay was left and measured at its size (``miss_shown``): what it shows on steps,
     then in racing trials (each after a switch), in the frozen heap and against the reference's other delays."""
@@ -80,11 +75,12 @@ def miss_shown_lines(runs: list[dict]) -> list[str]:
     for r in runs:
         for s, m in (r.get("miss_shown") or {}).items():
             b, c = r["slot_gain_ms"][s]
-            more = [(name, t) for k, name in TRIAL_CHECKS.items() if (t := (r.get(k) or {}).get(s))]
+            trials = [(name, t) for k, name in list(MISS_CHECKS.items())[1:] if (t := (r.get(k) or {}).get(s))]
             out.append(
                 f"seed {r['seed']} ({r['dtype']}) {s}: {b - c:.3f} ms left; shows {m['in_slot_ms']:+.3f} +- "
-                f"{m['in_slot_se_ms']:.3f} ms in the slot, {m['on_step_ms']:+.3f} +- {m['on_step_se_ms']:.3f} on the step"
-                + "".join(f"; {name} {t['in_slot_ms']:+.3f} +- {t['in_slot_se_ms']:.3f}" for name, t in more)
+                f"{m['in_slot_se_ms']:.3f} ms in the slot, {m['on_step_ms']:+.3f} +- {m['on_step_se_ms']:.3f} "
+                "on the step"
+                + "".join(f"; {name} {t['in_slot_ms']:+.3f} +- {t['in_slot_se_ms']:.3f}" for name, t in trials)
             )
     return out
 

@@ -5,8 +5,8 @@ what real trial steps show (H200, Megatron-LM): per-slot GPU noise, host jitter 
 (ramp) or jumps (+25% for a third of the budget), a periodic slow step, the power limit's clock oscillation (measured:
 benchmarks/results/2026-11-23_h200x1/trial_noise/), free-running or restarting in phase after every switch
 (../verify_noise/), a host-bound forward caught by a burst of slow steps for a whole trial (burst), one whose
-trials sit 22% apart (hostfwd), and three such forwards (hostglm). Per seed a few options of a few GEMMs are truly faster (together ``gain`` of the
-step), or none is (``equal``). The search runs on it unchanged (:class:`~engine.search.Searcher` with the default
+trials sit 22% apart (hostfwd), and three such forwards (hostglm). Per seed a few options of a few GEMMs are truly
+faster (together ``gain`` of the step), or none is (``equal``). The search runs on it unchanged (:class:`~engine.search.Searcher` with the default
 options) and is scored by the true cost of what it chose:
 
 - realized: (reference - chosen) / (reference - best), the share of the available gain it took;
