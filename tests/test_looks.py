@@ -226,3 +226,60 @@ def test_a_runner_up_whose_trials_fail_is_passed_over_and_the_search_goes_on(mon
     assert failed and not res.choices["proj_fprop"]["accepted"]
     assert len(searcher.coverage_report["proj.fwd"]["runners_up"]) == SearchOptions().runners_up
     assert res.elapsed_s <= SearchOptions().max_seconds
+
+
+def test_runners_up_can_look_against_the_choices_accepted_so_far():
+    """``rebase_runners_up=1``: the runners-up's looks and their brackets run with the choices accepted so far in
+    (on real Granite-like FP8 steps a host-bound forward showed more of a delay next to faster backwards). hostglm seed
+    149 accepts ``fc1_fprop`` on its first look; then every runner-up look carries that choice, the new incumbent is
+    bracketed first, and the log says so. The simulator has no slot that reads another's delay, so there the new
+    incumbent's few brackets are all it brings: the true ``proj_fprop`` runner-up is not accepted (43.9%; 82.4%
+    against the reference), and the option stays off by default."""
+    rng, lines = random.Random(sim.GAIN_SEED + 149), []
+    space = sim.build_space(sim.TOPO, sim.CTX, [sim.UbConfig()])
+    world = sim.make_world(space, sim.seed_gain(149), rng)
+    ref = sim.TuningConfig(sim.UbConfig(), frozenset(), "reference")
+    searcher = Searcher(
+        sim.TOPO,
+        space,
+        sim.SimulatedRun(world, "hostglm", rng),
+        sim.CTX,
+        SearchOptions(rebase_runners_up=1),
+        log=lines.append,
+    )
+    res = searcher.run(ref, {"no overlap": sim.all_off(sim.TOPO, ref)})
+    took = res.choices["fc1_fprop"]
+    assert took["accepted"] and not res.choices["proj_fprop"]["accepted"]
+    rebased = sim.apply(ref, next(x for x in space["fc1_fprop"] if x.label == took["option"]), sim.TOPO)  # ref + it
+    first = next(i for i, t in enumerate(searcher.trials) if t.config == rebased and t.phase == "bracket")
+    looks = [t for t in searcher.trials[first:] if t.phase == "recheck"]
+    assert searcher.trials[first - 1].config == ref and looks  # the leaders' looks end at the reference; then its own
+    fc1 = next(x for x in space["fc1_fprop"] if x.label == took["option"])
+    assert all(sim.apply(t.config, fc1, sim.TOPO) == t.config for t in looks)  # each carries the accepted choice
+    brackets = {t.config for t in searcher.trials[first:] if t.phase == "bracket"}
+    assert brackets == {rebased}
+    (said,) = [x for x in lines if "runners-up" in x]
+    assert "had fresh looks (against the reference with 1 accepted choice(s) in)" in said and said.endswith(
+        "none accepted"
+    )
+    rebase = SearchOptions(rebase_runners_up=1)
+    assert round(sim.run_once("hostglm", sim.seed_gain(149), sim.GAIN_SEED + 149, rebase).realized, 3) == 0.439
+    assert SearchOptions().rebase_runners_up == 0
+    with pytest.raises(ValueError, match="rebase_runners_up = 2: must be 0 or 1"):
+        SearchOptions(rebase_runners_up=2)
+
+
+def test_runners_up_in_turn_let_a_later_one_look_before_the_budget_ends():
+    """``runners_up_in_turn=1``: a GEMM's runners-up look in turn, not one after another, so that the first in line
+    cannot keep the rest of the budget while one behind it is the true option (the issue's runoff among the best few).
+    hostglm seed 176 then takes its 0.153 ms ``proj_fprop`` as a runner-up (75.9 -> 100%), in the same 178 s."""
+    gain, world = sim.seed_gain(176), sim.GAIN_SEED + 176
+    before = sim.run_once("hostglm", gain, world)
+    after = sim.run_once("hostglm", gain, world, SearchOptions(runners_up_in_turn=1))
+    assert (round(before.realized, 3), round(after.realized, 3)) == (0.759, 1.0)
+    took = after.choices["proj_fprop"]
+    assert took["accepted"] and took["runner_up"] and took["true_ms"] > 0.15
+    assert not before.choices["proj_fprop"]["accepted"]
+    assert after.seconds <= SearchOptions().max_seconds and SearchOptions().runners_up_in_turn == 0
+    with pytest.raises(ValueError, match="runners_up_in_turn = 2: must be 0 or 1"):
+        SearchOptions(runners_up_in_turn=2)

@@ -399,3 +399,51 @@ def test_a_delay_left_is_measured_at_its_size_and_the_bar_scores_its_upper_end()
     frozen = {"proj.fwd": {"in_slot_ms": 0.01, "in_slot_se_ms": 0.03}}
     (line,) = rb.miss_shown_lines([run | {"miss_in_trials_frozen": frozen}])
     assert line.endswith("on the step; frozen heap +0.010 +- 0.030"), line
+
+
+def _slot_coupling():
+    spec = importlib.util.spec_from_file_location("slot_coupling", PATH.parent / "slot_coupling.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_slot_coupling_recovers_a_slot_that_reads_the_other_slots_delays():
+    """A slot that shows 60% of its own delay and reads 0.5 ms less per ms put in another slot (as a host-bound
+    forward might, behind faster backwards), 0.05 ms above its brackets with nothing put in differently: the fit over
+    the trials against their nearest brackets finds all three; a slot never put in differently is left out."""
+    sc = _slot_coupling()
+    slots = ["qkv.bwd", "proj.fwd", "fc1.fwd"]
+    bracket = [0.2, 0.1, 0.0]
+    rows = [["baseline", 0, 1.0, 0.1, bracket]]
+    rng = random.Random(3)
+    for i in range(1, 40):
+        if i % 5 == 0:
+            rows.append(["bracket", 10 * i, 1.0, 0.1, bracket])
+            continue
+        every = [bracket[0] + rng.choice([-0.2, 0.0, 0.3]), bracket[1] + rng.choice([-0.1, 0.0, 0.4]), 0.0]
+        ms = 1.0 + 0.05 + 0.6 * (every[1] - bracket[1]) - 0.5 * (every[0] - bracket[0])
+        rows.append(["halving", 10 * i, ms, every[1], every])
+    f = sc.fit(rows, slots, "proj.fwd")
+    assert f["trials"] == 32 and set(f["per_ms"]) == {"qkv.bwd", "proj.fwd"}
+    assert f["constant"][0] == pytest.approx(0.05, abs=1e-4) and f["per_ms"]["proj.fwd"][0] == pytest.approx(0.6)
+    assert f["per_ms"]["qkv.bwd"][0] == pytest.approx(-0.5) and f["per_ms"]["qkv.bwd"][1] < 1e-6  # exact: no residual
+    (line,) = sc.lines([{"seed": 5, "dtype": "FP8", "slots": slots, "miss_trace": {"proj.fwd": rows}}])
+    assert line.startswith("seed 5 (FP8, defaults) proj.fwd, 32 trials: +0.050 +- 0.000 ms against the brackets")
+    assert "own delay 0.60 +- 0.00 shows; per ms put in elsewhere: qkv.bwd -0.50 +- 0.00" in line
+    assert sc.fit([r[:4] for r in rows], slots, "proj.fwd") is None  # a trace of before this session: no 5th column
+
+
+def test_a_miss_trace_keeps_every_slots_delay_and_the_simulator_couples_no_slot():
+    """Each traced trial keeps every slot's put-in delay, in the topology's order (the JSON's ``slots``); the
+    simulator's slots show their own delay whole and read no other's (seed 1001's 8 s miss)."""
+    sc = _slot_coupling()
+    missed = sr.one_search(SimulatedReal(), 1001, 0.04, variant="max_seconds=8")
+    slots = list(sim.TOPO.slots())
+    rows = missed["miss_trace"]["proj.fwd"]
+    assert all(len(r[4]) == len(slots) and r[4][slots.index("proj.fwd")] == r[3] for r in rows)
+    f = sc.fit(rows, slots, "proj.fwd")
+    own, se = f["per_ms"]["proj.fwd"]
+    assert abs(own - 1.0) < 3 * se and abs(f["constant"][0]) < 3 * f["constant"][1] + 1e-9
+    (line,) = sc.lines([{**missed, "dtype": "bf16", "slots": slots}])
+    assert line.startswith("seed 1001 (bf16, max_seconds=8) proj.fwd, ") and "elsewhere: none beyond 2 standard" in line

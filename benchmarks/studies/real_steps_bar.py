@@ -40,7 +40,8 @@ def load(paths: list[str]) -> list[dict]:
             raise ValueError(f"{f}: not a search_on_real_steps.json ({e.msg})") from None
         dtype = "FP8" if "--fp8-format" in d.get("megatron_args", []) else "bf16"
         vis = d.get("slot_visibility")
-        runs += [{**r, "dtype": dtype, "file": str(f), "slot_visibility": vis} for r in d["runs"]]
+        slots = list(d.get("slots", {}))  # the order of a miss_trace row's every-slot delays (slot_coupling.py)
+        runs += [{**r, "dtype": dtype, "file": str(f), "slot_visibility": vis, "slots": slots} for r in d["runs"]]
     return runs
 
 
@@ -159,7 +160,7 @@ def miss_lines(runs: list[dict]) -> list[str]:
                 continue
             ref_put = statistics.median(x[3] for x in inc)
             looks, seen, put_in = [], [], []
-            for phase, pos, ms, put in rows:
+            for phase, pos, ms, put, *_ in rows:
                 if put < ref_put - 1e-9:
                     near = min(inc, key=lambda x: abs(x[1] - pos))
                     looks.append(f"{phase[0]} {ms - near[2]:+.3f}/{put - ref_put:+.3f}")

@@ -101,7 +101,7 @@ class Looks:
         incumbent: TuningConfig,
         race: Race,
         raw_fresh: Raw,
-        accepted: set[str],
+        accepted: dict[str, Option],
         decision_cost: Callable[[], Work],
         contenders: int,
     ) -> tuple[list[Option], dict[str, tuple[dict, tuple[Option, float]]]]:
@@ -113,7 +113,8 @@ class Looks:
         threshold is that of a later look: ``late_z`` more, since it is one more test), until its interval no longer
         reaches a gain worth a switch, or ``max_looks``; then the GEMM's next. The GEMMs run side by side. Returns the
         runners-up looked at, and per GEMM the accepted one's choice (``Searcher._choose``, judged as it was
-        accepted)."""
+        accepted). ``accepted``: GEMM -> its choice accepted so far; with ``rebase_runners_up`` the looks are against
+        the incumbent with these in (a host-bound slot can show more of a delay where other slots run faster)."""
         o, worth = self.opt, self._worth(incumbent)
         bounds = {x: b for x, e in race.raw.items() if (b := self._gain_bounds(incumbent, x, e))}
         queue: dict[str, list[Option]] = {}
@@ -126,36 +127,49 @@ class Looks:
                 if x.gemm == gemm and x not in raw_fresh and bounds[x][0] + o.z * bounds[x][1] >= worth
             ]
             queue[gemm] = sorted(mine, key=lambda x: -bounds[x][0])[: o.runners_up]
-        current: dict[str, Option] = {}
+        against = self._combine(incumbent, list(accepted.items()))[0] if o.rebase_runners_up else incumbent
         runners: list[Option] = []
         took: dict[str, tuple[dict, tuple[Option, float]]] = {}
         hit, kept = (self.budget_hit, self.limit_hit), lambda: self._kept(decision_cost(), contenders, 0)
+        if against != incumbent and queue and self._can_afford(o.recheck_steps, kept()):
+            self._run("bracket", against, {"*": "incumbent"}, o.recheck_steps)  # the new incumbent's first level
+        turn = dict.fromkeys(queue, 0)
         while True:
+            batch = []
             for gemm in list(queue):
-                x = current.get(gemm)
-                e = raw_fresh.get(x, [])  # none where its trials failed: the GEMM's next runner-up, if any
-                if e and self._accepts(incumbent, x, e):
-                    choice, best = self._choose(incumbent, runners, {x: e})
-                    took[gemm] = choice[gemm], best[gemm]
-                    del queue[gemm], current[gemm]  # this GEMM has its choice
-                    continue
-                if e and len(e) < o.max_looks and self._reaches(incumbent, x, e, worth):
-                    continue  # it looks again
-                if not queue[gemm]:
-                    del queue[gemm]
-                    current.pop(gemm, None)
-                    continue
-                current[gemm] = queue[gemm].pop(0)
-                self.runners.add(current[gemm])
-                runners.append(current[gemm])
-            batch = list(current.values())
-            if not batch or self._measure_options("recheck", incumbent, batch, o.recheck_steps, raw_fresh, kept):
+                for x in [x for x in queue[gemm] if x in runners]:  # those looked at so far
+                    e = raw_fresh.get(x, [])  # none where its trials failed
+                    if e and self._accepts(against, x, e):
+                        choice, best = self._choose(against, runners, {x: e})
+                        took[gemm] = choice[gemm], best[gemm]
+                        del queue[gemm]  # this GEMM has its choice
+                        break
+                    if not (e and len(e) < o.max_looks and self._reaches(against, x, e, worth)):
+                        queue[gemm].remove(x)  # it looks no more
+                else:
+                    if not queue[gemm]:
+                        del queue[gemm]
+                        continue
+                    # the first in line looks until it is done, or (``runners_up_in_turn``) each looks in turn
+                    x = queue[gemm][turn[gemm] % len(queue[gemm]) if o.runners_up_in_turn else 0]
+                    turn[gemm] += 1
+                    if x not in runners:
+                        self.runners.add(x)
+                        runners.append(x)
+                    batch.append(x)
+            if not batch or self._measure_options("recheck", against, batch, o.recheck_steps, raw_fresh, kept):
                 break
         self.budget_hit, self.limit_hit = hit  # these looks end at the reserve by design
         if runners:
             self.log(
                 f"[tp-overlap-autotune] {len(runners)} runners-up of {len({x.gemm for x in runners})} GEMMs whose "
-                f"leaders were not accepted had fresh looks, to {self.elapsed_s:.1f} s: "
+                f"leaders were not accepted had fresh looks"
+                + (
+                    f" (against the reference with {len(accepted)} accepted choice(s) in)"
+                    if against != incumbent
+                    else ""
+                )
+                + f", to {self.elapsed_s:.1f} s: "
                 + (", ".join(f"{g}: {c['option']} accepted" for g, (c, _) in took.items()) or "none accepted")
             )
         return runners, took

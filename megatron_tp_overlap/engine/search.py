@@ -297,7 +297,8 @@ class Searcher(Racing, Looks, FinalDecision, Budget):
         #    trial_wide seed 102 a leader's threshold went from 0.243 to 0.422 ms after them, and a true 0.346 ms left)
         choices, best_of = self._choose(incumbent, survivors, raw_fresh)
         accepted = {g for g, c in choices.items() if c["accepted"]}
-        runners, took = self._runners_up(incumbent, race, raw_fresh, accepted, decision_cost, len(contenders) + 1)
+        took_so_far = {g: best_of[g][0] for g in accepted}
+        runners, took = self._runners_up(incumbent, race, raw_fresh, took_so_far, decision_cost, len(contenders) + 1)
         survivors += runners
         for g, (c, best) in took.items():
             choices[g], best_of[g] = c | {"runner_up": True}, best

@@ -146,6 +146,17 @@ class SearchOptions:
     # runners-up per GEMM given fresh looks with the budget left when none of its looked-at options is accepted
     # (engine/looks.py ``_runners_up``; 0: none): in a noisy forward the luckiest of many equal options leads the racing
     runners_up: int = 3
+    # 1: the runners-up look against the reference with the choices accepted so far in it, not the reference alone:
+    # on real Granite-3-8B-like FP8 steps (H200) the true 0.14 ms proj_fprop of world 22500 showed 0.04 +- 0.02 ms in
+    # trials against the reference, 0.10 +- 0.01 against configs with the world's backward gains in, and its 11-40
+    # looks per search as a runner-up, all against the reference, never took it (results/2026-11-28_h200x4c/). Not yet
+    # run on GPU
+    rebase_runners_up: int = 0
+    # 1: a GEMM's runners-up look in turn, not one after another: with ``rebase_runners_up`` on decision_sim hostglm
+    # seed 149 a truly equal first runner-up read +0.06 to +0.27 ms and kept the rest of the budget for 28 looks, and
+    # the true option, third in line, had none (the third idea: a runoff among the best few). On 200 seeds it
+    # took hostglm 176 (75.9 -> 100%) and named 1.5% false winners on trial_wide (0.5% one after another)
+    runners_up_in_turn: int = 0
     # the final decision's quadruple gains are clipped at their median +- this many robust standard deviations
     # (paired.clipped; 0: not clipped): a stretch of slow steps in a few blocks left real 1.2-2.3% gains undecided
     clip_sds: float = 4.0
@@ -195,7 +206,16 @@ class SearchOptions:
             )
         if self.runners_up < 0:
             raise ValueError(f"runners_up = {self.runners_up}: must be >= 0 (0: none)")
-        for k in ("changed_slots", "rest_norm", "trial_noise", "fill_slots", "look_spread", "later_reach"):
+        for k in (
+            "changed_slots",
+            "rest_norm",
+            "trial_noise",
+            "fill_slots",
+            "look_spread",
+            "later_reach",
+            "rebase_runners_up",
+            "runners_up_in_turn",
+        ):
             if getattr(self, k) not in (0, 1):
                 raise ValueError(f"{k} = {getattr(self, k)}: must be 0 or 1")
         if self.clip_sds < 0:
