@@ -434,6 +434,18 @@ def test_slot_coupling_recovers_a_slot_that_reads_the_other_slots_delays():
     assert sc.fit([r[:4] for r in rows], slots, "proj.fwd") is None  # a trace of before this session: no 5th column
 
 
+def test_slot_coupling_says_in_one_line_when_there_is_nothing_to_read(tmp_path, capsys):
+    sc = _slot_coupling()
+    assert sc.main([str(tmp_path / "missing")]) == 2
+    (err,) = capsys.readouterr().err.strip().splitlines()
+    assert err == f"no search_on_real_steps.json under {tmp_path / 'missing'}"
+    (tmp_path / "r2").mkdir()  # a result of before the fifth column: nothing to fit, said on stdout
+    run = {"seed": 1, "kind": "gain", "miss_trace": {"proj.fwd": [["bracket", 0, 1.0, 0.1], ["recheck", 5, 0.9, 0.0]]}}
+    (tmp_path / "r2" / "search_on_real_steps.json").write_text(json.dumps({"slots": {"proj.fwd": []}, "runs": [run]}))
+    assert sc.main([str(tmp_path / "r2")]) == 0
+    assert capsys.readouterr().out.strip() == "no search kept every slot's put-in delays in its trace"
+
+
 def test_a_miss_trace_keeps_every_slots_delay_and_the_simulator_couples_no_slot():
     """Each traced trial keeps every slot's put-in delay, in the topology's order (the JSON's ``slots``); the
     simulator's slots show their own delay whole and read no other's (seed 1001's 8 s miss)."""

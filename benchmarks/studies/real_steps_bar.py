@@ -45,6 +45,18 @@ def load(paths: list[str]) -> list[dict]:
     return runs
 
 
+def load_or_say(paths: list[str]) -> list[dict]:
+    """:func:`load`, or [] after one line on stderr: a file that is not a result, or no result under ``paths``."""
+    try:
+        runs = load(paths)
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return []
+    if not runs:
+        print(f"no search_on_real_steps.json under {' '.join(paths)}", file=sys.stderr)
+    return runs
+
+
 def shown_share(run: dict, slot: str) -> float | None:
     """The share of its put-in gain that ``slot`` shows, [0, 1]: where the chosen config left a delay and it was
     measured at its size after the search (``miss_shown``, since the thirty-fourth session), the upper end of that
@@ -201,13 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, default=20, help="seeds per dtype the bar asks for")
     p.add_argument("--worst", type=float, default=0.8, help="share of its gain the worst seed must realize")
     a = p.parse_args(argv)
-    try:
-        runs = load(a.paths)
-    except ValueError as e:
-        print(e, file=sys.stderr)
-        return 2
-    if not runs:
-        print(f"no search_on_real_steps.json under {' '.join(a.paths)}", file=sys.stderr)
+    if not (runs := load_or_say(a.paths)):
         return 2
     print(table(bar(runs, a.seeds, a.worst, TuneOptions.seconds)))
     if lines := shown_lines(runs):

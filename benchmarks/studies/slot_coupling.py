@@ -25,7 +25,7 @@ import argparse
 import sys
 
 import numpy as np
-from real_steps_bar import load  # this folder is on sys.path as a script's
+from real_steps_bar import load_or_say  # this folder is on sys.path as a script's
 
 
 def fit(rows: list[list], slots: list[str], slot: str) -> dict | None:
@@ -88,13 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("paths", nargs="+", help="folders holding search_on_real_steps.json, or the files")
     a = p.parse_args(argv)
-    try:
-        runs = load(a.paths)
-    except ValueError as e:
-        print(e, file=sys.stderr)
-        return 2
-    if not runs:
-        print(f"no search_on_real_steps.json under {' '.join(a.paths)}", file=sys.stderr)
+    if not (runs := load_or_say(a.paths)):
         return 2
     out = lines(runs)
     print("\n".join(out) if out else "no search kept every slot's put-in delays in its trace")
