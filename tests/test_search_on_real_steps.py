@@ -424,14 +424,14 @@ def test_slot_coupling_recovers_a_slot_that_reads_the_other_slots_delays():
         every = [bracket[0] + rng.choice([-0.2, 0.0, 0.3]), bracket[1] + rng.choice([-0.1, 0.0, 0.4]), 0.0]
         ms = 1.0 + 0.05 + 0.6 * (every[1] - bracket[1]) - 0.5 * (every[0] - bracket[0])
         rows.append(["halving", 10 * i, ms, every[1], every])
-    f = sc.fit(rows, slots, "proj.fwd")
+    f = sc.fit(rows, slots)
     assert f["trials"] == 32 and set(f["per_ms"]) == {"qkv.bwd", "proj.fwd"}
     assert f["constant"][0] == pytest.approx(0.05, abs=1e-4) and f["per_ms"]["proj.fwd"][0] == pytest.approx(0.6)
     assert f["per_ms"]["qkv.bwd"][0] == pytest.approx(-0.5) and f["per_ms"]["qkv.bwd"][1] < 1e-6  # exact: no residual
     (line,) = sc.lines([{"seed": 5, "dtype": "FP8", "slots": slots, "miss_trace": {"proj.fwd": rows}}])
     assert line.startswith("seed 5 (FP8, defaults) proj.fwd, 32 trials: +0.050 +- 0.000 ms against the brackets")
     assert "own delay 0.60 +- 0.00 shows; per ms put in elsewhere: qkv.bwd -0.50 +- 0.00" in line
-    assert sc.fit([r[:4] for r in rows], slots, "proj.fwd") is None  # a trace of before this session: no 5th column
+    assert sc.fit([r[:4] for r in rows], slots) is None  # a trace of before this session: no 5th column
 
 
 def test_slot_coupling_says_in_one_line_when_there_is_nothing_to_read(tmp_path, capsys):
@@ -454,7 +454,7 @@ def test_a_miss_trace_keeps_every_slots_delay_and_the_simulator_couples_no_slot(
     slots = list(sim.TOPO.slots())
     rows = missed["miss_trace"]["proj.fwd"]
     assert all(len(r[4]) == len(slots) and r[4][slots.index("proj.fwd")] == r[3] for r in rows)
-    f = sc.fit(rows, slots, "proj.fwd")
+    f = sc.fit(rows, slots)
     own, se = f["per_ms"]["proj.fwd"]
     assert abs(own - 1.0) < 3 * se and abs(f["constant"][0]) < 3 * f["constant"][1] + 1e-9
     (line,) = sc.lines([{**missed, "dtype": "bf16", "slots": slots}])

@@ -28,9 +28,10 @@ import numpy as np
 from real_steps_bar import load_or_say  # this folder is on sys.path as a script's
 
 
-def fit(rows: list[list], slots: list[str], slot: str) -> dict | None:
-    """The least-squares fit of one slot's trials against their nearest brackets (module docstring): ``{"trials",
-    "constant": [ms, se], "per_ms": {slot: [coefficient, se]}}``, or None with too few trials or no 5th column."""
+def fit(rows: list[list], slots: list[str]) -> dict | None:
+    """The least-squares fit of one slot's trials (``rows``: its ``miss_trace``) against their nearest brackets
+    (module docstring): ``{"trials", "constant": [ms, se], "per_ms": {slot: [coefficient, se]}}``, or None with too
+    few trials or no 5th column."""
     inc = [r for r in rows if r[0] in ("baseline", "bracket")]
     rest = [r for r in rows if r[0] not in ("baseline", "bracket")]
     if not inc or not rest or len(rest[0]) < 5:
@@ -54,7 +55,6 @@ def fit(rows: list[list], slots: list[str], slot: str) -> dict | None:
         "trials": len(y),
         "constant": [r4(coef[0]), r4(se[0])],
         "per_ms": {slots[j]: [r4(coef[i + 1]), r4(se[i + 1])] for i, j in enumerate(cols)},
-        "own": slot,
     }
 
 
@@ -65,7 +65,7 @@ def lines(runs: list[dict], z: float = 2.0) -> list[str]:
     for r in runs:
         slots = r.get("slots")
         for slot, rows in (r.get("miss_trace") or {}).items():
-            f = fit(rows, slots or [], slot) if slots else None
+            f = fit(rows, slots) if slots else None
             if f is None:
                 continue
             own = f["per_ms"].get(slot)
