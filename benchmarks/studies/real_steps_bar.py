@@ -118,6 +118,17 @@ def shown_lines(runs: list[dict]) -> list[str]:
     return out
 
 
+def variant_of(run: dict) -> str:
+    """The search options a run's variant changed from the defaults ("defaults" when none: a
+    ``--variants rebase_runners_up=0`` search is the defaults' search, and pools with them)."""
+    from megatron_tp_overlap.engine.search import SearchOptions
+
+    default = SearchOptions()
+    pairs = [kv.split("=", 1) for kv in (run.get("variant") or "").split(",") if "=" in kv]
+    changed = [f"{k}={v}" for k, v in pairs if not hasattr(default, k) or float(v) != float(getattr(default, k))]
+    return ",".join(changed) or "defaults"
+
+
 def budget_of(variant: str, default_s: float) -> float:
     """The budget (s) a variant's searches ran under: its ``max_seconds=`` (``--variants``), else ``default_s``."""
     fields = dict(kv.split("=", 1) for kv in variant.split(",") if "=" in kv)
@@ -128,8 +139,8 @@ def bar(runs: list[dict], seeds: int, worst: float, budget_s: float) -> list[dic
     """Per (dtype, variant): the figures of issue 46's bar and whether it holds (``why`` lists what does not);
     ``budget_s``: the default budget, for searches whose variant does not set ``max_seconds``."""
     rows = []
-    for key in sorted({(r["dtype"], r.get("variant") or "defaults") for r in runs}):
-        mine = [r for r in runs if (r["dtype"], r.get("variant") or "defaults") == key]
+    for key in sorted({(r["dtype"], variant_of(r)) for r in runs}):
+        mine = [r for r in runs if (r["dtype"], variant_of(r)) == key]
         gains = [r for r in mine if r["kind"] == "gain" and r["realized"] is not None]
         equal = [r for r in mine if r["kind"] == "equal"]
         low = min(gains, key=lambda r: r["realized"], default=None)
@@ -185,7 +196,7 @@ def miss_lines(runs: list[dict]) -> list[str]:
                 else ""
             )
             out.append(
-                f"seed {r['seed']} ({r['dtype']}, {r.get('variant') or 'defaults'}) {slot}: "
+                f"seed {r['seed']} ({r['dtype']}, {variant_of(r)}) {slot}: "
                 f"{len(looks)} trials with less put in{mean}, measured/put in ms: {', '.join(looks) or 'none'}"
             )
     return out

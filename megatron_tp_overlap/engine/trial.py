@@ -149,8 +149,8 @@ class SearchOptions:
     # 1: the runners-up look against the reference with the choices accepted so far in it, not the reference alone:
     # on real Granite-3-8B-like FP8 steps (H200) the true 0.14 ms proj_fprop of world 22500 showed 0.04 +- 0.02 ms in
     # trials against the reference, 0.10 +- 0.01 against configs with the world's backward gains in, and its 11-40
-    # looks per search as a runner-up, all against the reference, never took it (results/2026-11-28_h200x4c/). Not yet
-    # run on GPU
+    # looks per search as a runner-up, all against the reference, never took it (results/2026-11-28_h200x4c/). On GPU
+    # it did not take 22500 either, and left 24200's true proj_fprop (53.1%; results/2026-11-28_h200x4d/)
     rebase_runners_up: int = 0
     # 1: a GEMM's runners-up look in turn, not one after another: with ``rebase_runners_up`` on decision_sim hostglm
     # seed 149 a truly equal first runner-up read +0.06 to +0.27 ms and kept the rest of the budget for 28 looks, and
