@@ -296,8 +296,9 @@ def test_the_bar_over_many_results_counts_seeds_per_dtype_and_says_what_is_not_m
     rows = {r["variant"]: r["why"] for r in rb.bar([{**r, "dtype": "bf16"} for r in slow], 3, 0.7, budget_s=60.0)}
     assert rows == {"max_seconds=120,max_looks=20": [], "z=3": ["median 90.0 s > 60 s"]}
     # a variant at the defaults' values is the defaults' search; the rest of one names only what it changed
-    same = [{**r, "dtype": "bf16", "variant": v} for r in bf16 for v in ("rebase_runners_up=0", "z=2.5,rest_norm=0")]
-    assert [(r["variant"], r["searches"]) for r in rb.bar(same, 3, 0.7, 60.0)] == [("defaults", 3), ("rest_norm=0", 3)]
+    kinds = ("rebase_runners_up=0", "defaults", "z=2.5,rest_norm=0")
+    same = [{**r, "dtype": "bf16", "variant": v} for r in bf16 for v in kinds]
+    assert [(r["variant"], r["searches"]) for r in rb.bar(same, 3, 0.7, 60.0)] == [("defaults", 6), ("rest_norm=0", 3)]
     assert rb.main([str(tmp_path / "missing")]) == 2 and "no search_on_real_steps.json" in capsys.readouterr().err
     (tmp_path / "a.log").write_text("[suite] a: rc=0\n")  # a glob like r2/search46_* also gives the logs
     assert rb.main([str(tmp_path / "a"), str(tmp_path / "a.log")]) == 2

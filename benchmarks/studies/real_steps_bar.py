@@ -22,9 +22,10 @@ import statistics
 import sys
 from pathlib import Path
 
-from search_on_real_steps import MISS_CHECKS  # the study's own names (this folder is on sys.path as a script's)
+from search_on_real_steps import MISS_CHECKS, parse_variant  # the study's own (this folder is on sys.path)
 
 from megatron_tp_overlap.engine.options import TuneOptions
+from megatron_tp_overlap.engine.search import SearchOptions
 
 
 def load(paths: list[str]) -> list[dict]:
@@ -118,15 +119,13 @@ def shown_lines(runs: list[dict]) -> list[str]:
     return out
 
 
-def variant_of(run: dict) -> str:
-    """The search options a run's variant changed from the defaults ("defaults" when none: a
-    ``--variants rebase_runners_up=0`` search is the defaults' search, and pools with them)."""
-    from megatron_tp_overlap.engine.search import SearchOptions
-
+def options_changed(run: dict) -> str:
+    """The run's variant without the settings it gives their default values ("defaults" when none is left): a
+    ``--variants rebase_runners_up=0`` search is the defaults' search, and pools with them."""
     default = SearchOptions()
-    pairs = [kv.split("=", 1) for kv in (run.get("variant") or "").split(",") if "=" in kv]
-    changed = [f"{k}={v}" for k, v in pairs if not hasattr(default, k) or float(v) != float(getattr(default, k))]
-    return ",".join(changed) or "defaults"
+    parts = [kv for kv in (run.get("variant") or "").split(",") if kv and kv != "defaults"]  # as earlier trees wrote
+    keys = [kv for kv in parts if parse_variant(kv)[k := kv.partition("=")[0]] != getattr(default, k)]
+    return ",".join(keys) or "defaults"
 
 
 def budget_of(variant: str, default_s: float) -> float:
@@ -139,8 +138,9 @@ def bar(runs: list[dict], seeds: int, worst: float, budget_s: float) -> list[dic
     """Per (dtype, variant): the figures of issue 46's bar and whether it holds (``why`` lists what does not);
     ``budget_s``: the default budget, for searches whose variant does not set ``max_seconds``."""
     rows = []
-    for key in sorted({(r["dtype"], variant_of(r)) for r in runs}):
-        mine = [r for r in runs if (r["dtype"], variant_of(r)) == key]
+    keyed = [((r["dtype"], options_changed(r)), r) for r in runs]
+    for key in sorted({k for k, _ in keyed}):
+        mine = [r for k, r in keyed if k == key]
         gains = [r for r in mine if r["kind"] == "gain" and r["realized"] is not None]
         equal = [r for r in mine if r["kind"] == "equal"]
         low = min(gains, key=lambda r: r["realized"], default=None)
@@ -196,7 +196,7 @@ def miss_lines(runs: list[dict]) -> list[str]:
                 else ""
             )
             out.append(
-                f"seed {r['seed']} ({r['dtype']}, {variant_of(r)}) {slot}: "
+                f"seed {r['seed']} ({r['dtype']}, {options_changed(r)}) {slot}: "
                 f"{len(looks)} trials with less put in{mean}, measured/put in ms: {', '.join(looks) or 'none'}"
             )
     return out
