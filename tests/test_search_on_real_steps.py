@@ -458,6 +458,8 @@ def test_a_miss_trace_keeps_every_slots_delay_and_the_simulator_couples_no_slot(
     slots = list(sim.TOPO.slots())
     rows = missed["miss_trace"]["proj.fwd"]
     assert all(len(r[4]) == len(slots) and r[4][slots.index("proj.fwd")] == r[3] for r in rows)
+    # and its steps: the slot's (their median is the trial's) and the rest's, one per measured step
+    assert all(abs(statistics.median(r[5]) - r[2]) < 1e-3 and len(r[6]) == len(r[5]) > 0 for r in rows)
     f = sc.fit(rows, slots)
     own, se = f["per_ms"]["proj.fwd"]
     assert abs(own - 1.0) < 3 * se and abs(f["constant"][0]) < 3 * f["constant"][1] + 1e-9

@@ -420,7 +420,8 @@ def one_search(real: RealSteps, seed: int, gain: float, preset: bool = False, va
 
 def miss_trace(trials: list, slots: list[str], excess_ms) -> dict[str, list[list]]:
     """Per slot in ``slots``, every measured trial as [phase, position (steps), the slot's median ms, the delay put
-    in for the trial's config (ms), the delays put in every slot (ms, in the order of the JSON's ``slots``)]: kept
+    in for the trial's config (ms), the delays put in every slot (ms, in the order of the JSON's ``slots``), the
+    slot's ms per measured step, the rest of the step's (step minus every slot) ms per measured step]: kept
     for a seed that left a gain or named a false winner, so that its JSON tells a look that read noise from one that
     could not see a put-in cost (FP8 seed 21304 on 4 x H100 left a 0.32 ms proj_fprop gain, re-measured once, and a
     rerun took it: benchmarks/results/2026-11-26_h100x4c/), and whether the other slots' delays move the slot's own
@@ -433,7 +434,11 @@ def miss_trace(trials: list, slots: list[str], excess_ms) -> dict[str, list[list
         every = [round(v, 4) for v in put_in.values()]
         for s in slots:
             if s in t.slot_ms:
-                out[s].append([t.phase, int(t.position), round(t.slot_ms[s], 4), round(put_in[s], 4), every])
+                steps = [round(v, 4) for v in t.slot_samples.get(s, [])]
+                rest = [round(v, 4) for v in t.rest_samples]  # a host-bound slot's steps: floor or not (floor_study.py)
+                out[s].append(
+                    [t.phase, int(t.position), round(t.slot_ms[s], 4), round(put_in[s], 4), every, steps, rest]
+                )
     return out
 
 

@@ -37,7 +37,7 @@ def fit(rows: list[list], slots: list[str]) -> dict | None:
     if not inc or not rest or len(rest[0]) < 5:
         return None
     y, x = [], []
-    for _, pos, ms, _, every in rest:
+    for _, pos, ms, _, every, *_ in rest:
         near = min(inc, key=lambda b: abs(b[1] - pos))
         y.append(ms - near[2])
         x.append([a - b for a, b in zip(every, near[4])])
