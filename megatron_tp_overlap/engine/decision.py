@@ -10,6 +10,7 @@ import statistics
 from collections.abc import Callable
 
 from megatron_tp_overlap.engine import paired
+from megatron_tp_overlap.engine.rest_scaling import capped
 from megatron_tp_overlap.engine.space import TuningConfig, is_valid
 from megatron_tp_overlap.engine.trial import (
     Contender,
@@ -240,11 +241,27 @@ class FinalDecision:
         per = self._step_slot_sums(t)
         return statistics.median(per) if per else None
 
-    def _step_slot_sums(self, t: Trial, slots: frozenset[str] | None = None) -> list[float]:
-        cols = [v for s, v in t.slot_samples.items() if slots is None or s in slots]
+    def _step_slot_sums(
+        self, t: Trial, slots: frozenset[str] | None = None, tops: dict[str, float] | None = None
+    ) -> list[float]:
+        cols = [v for s, v in capped(t.slot_samples, tops or {}).items() if slots is None or s in slots]
         if not cols:
             return []
         return [sum(c[i] for c in cols) for i in range(min(len(c) for c in cols))]
+
+    def _quad_blocks(self, blocks: list[Trial], order: list[int], slots: frozenset[str] | None) -> list[float]:
+        """One quadruple's block values (ms): the median over each block's steps of the sum over ``slots``, a slot at a
+        floor (``_floor_tops``) counting each step at most the slower of the two configs' fastest steps in the
+        quadruple x (1 + ``floor_cap``): the same bound for both, so that an equal pair stays exchangeable."""
+        tops = {}
+        for s in self._floor_tops():
+            lows = [
+                min(min(t.slot_samples.get(s) or [math.inf]) for t, w in zip(blocks, order) if w == x)
+                for x in (paired.A, paired.B)
+            ]
+            if math.isfinite(top := max(lows)):
+                tops[s] = top * (1 + self.opt.floor_cap)
+        return [statistics.median(self._step_slot_sums(t, slots, tops) or t.step_samples) for t in blocks]
 
     def _changed_slots(self, a: TuningConfig, b: TuningConfig) -> frozenset[str] | None:
         """The slots whose GEMMs ``a`` and ``b`` run differently (config entry or overlap off); None: all of them."""
@@ -268,6 +285,7 @@ class FinalDecision:
         order: list[int] = []
         slot_blocks: list[float] = []
         step_blocks: list[float] = []
+        blocks: list[Trial] = []
         quads, error, seconds, split = 0, None, 0.0, 0
         slot_iv = step_iv = paired.gain_interval([], o.level)
         rest_of_quad = Work(3 * bs + o.warmup_steps, 1, 2)  # after its first block
@@ -281,11 +299,12 @@ class FinalDecision:
                     break
                 c.samples.extend(t.step_samples)
                 seconds += t.seconds
-                slot_blocks.append(statistics.median(self._step_slot_sums(t, decided_on) or t.step_samples))
+                blocks.append(t)
                 step_blocks.append(statistics.median(t.step_samples))
                 order.append(which)
             else:
                 quads += 1
+                slot_blocks += self._quad_blocks(blocks[-4:], order[-4:], decided_on)
             if quads >= o.min_quads and error is None:
                 # sequential: a look before the last one is at paired.INTERIM_LEVEL (at 95% after each quadruple, an
                 # equal config wins 8-9% of decisions); the last look, at max_quads or the budget, at ``level``

@@ -98,7 +98,9 @@ class Racing(rest_scaling.RestScaling):
 
     def _incumbent_level(self, incumbent: TuningConfig, opt: Option) -> float:  # its slots' median ms (cached)
         if (key := ("inc_level", incumbent, self._slots_of(opt), len(self.trials))) not in self._cache:
-            vals = [v for t in self._incumbent_trials(incumbent) for v in (self._score(t.slot_samples, key[2]) or [])]
+            vals = [
+                v for t in self._incumbent_trials(incumbent) for v in (self._score(self._scaled(t, None), key[2]) or [])
+            ]
             self._cache[key] = statistics.median(vals) if vals else 0.0
         return self._cache[key]
 
@@ -133,7 +135,7 @@ class Racing(rest_scaling.RestScaling):
     def _slot_level(self, incumbent: TuningConfig, slot: str) -> float:
         key = ("slot_level", incumbent, slot, len(self.trials))
         if key not in self._cache:
-            vals = [v for t in self._incumbent_trials(incumbent) for v in t.slot_samples.get(slot, [])]
+            vals = [v for t in self._incumbent_trials(incumbent) for v in self._scaled(t, None).get(slot, [])]
             self._cache[key] = statistics.median(vals) if vals else 0.0
         return self._cache[key]
 

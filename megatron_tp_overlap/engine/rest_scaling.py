@@ -93,6 +93,32 @@ def scaled(t: Any, norm: tuple[float, dict[str, float]] | None) -> dict[str, lis
     }
 
 
+FLOOR_NEAR, FLOOR_FAR, FAR_OVER = 0.3, 0.15, 1.3  # a floor: this share of steps within the cap, this share beyond
+
+
+def floor_tops(samples: dict[str, list[float]], cap: float) -> dict[str, float]:
+    """Per slot whose steps (``samples``: the reference's so far) sit at a floor, with stretches well above it (at
+    least ``FLOOR_NEAR`` of them within ``cap`` of its 10th percentile and ``FLOOR_FAR`` over ``FAR_OVER`` x it): that
+    10th percentile x (1 + ``cap``). A forward whose GPU waits on the host in stretches (real Granite-3-8B-like FP8
+    steps on H200: proj.fwd at its GPU time +- 3% or at 1.4-2.7x it, 27-50% of the steps) shows a GPU gain only at
+    its floor; a spread around a level (decision_sim hostfwd) has no such floor and is left alone."""
+    out = {}
+    for s, v in samples.items():
+        if len(v) >= 20 and (q := sorted(v)[len(v) // 10]) > 0:
+            near = sum(x <= q * (1 + cap) for x in v) / len(v)
+            far = sum(x > q * FAR_OVER for x in v) / len(v)
+            if near >= FLOOR_NEAR and far >= FLOOR_FAR:
+                out[s] = q * (1 + cap)
+    return out
+
+
+def capped(samples: dict[str, list[float]], tops: dict[str, float]) -> dict[str, list[float]]:
+    """Per slot in ``tops``, one trial's steps at most ``tops[slot]`` (ms); the other slots' as they are."""
+    if not tops:
+        return samples
+    return {s: [min(x, tops[s]) for x in v] if s in tops else v for s, v in samples.items()}
+
+
 def own_scaled(t: Any, betas: dict[str, float]) -> dict[str, list[float]]:
     """:func:`scaled` relative to the trial's own median rest (for the step-to-step spread within a trial)."""
     c = t.rest_samples if any(betas.values()) else []
@@ -125,10 +151,29 @@ class RestScaling:
         return betas
 
     def _scaled(self, t: Any, norm: tuple[float, dict[str, float]] | None) -> dict[str, list[float]]:
-        """:func:`scaled`, kept while ``norm`` stays (the racing rounds score every trial again)."""
-        if not norm:
+        """:func:`scaled`, then :func:`capped` at the floors so far (``floor_cap``), kept while both stay (the racing
+        rounds score every trial again); ``t.slot_samples`` where neither applies."""
+        tops = self._floor_tops()
+        if not norm and not tops:
             return t.slot_samples
-        key = ("scaled", t.index, norm[0], tuple(norm[1].items()))
+        key = ("scaled", t.index, norm and (norm[0], tuple(norm[1].items())), tuple(tops.items()))
         if key not in self._cache:
-            self._cache[key] = scaled(t, norm)
+            self._cache[key] = capped(scaled(t, norm), tops)
+        return self._cache[key]
+
+    def _floor_tops(self) -> dict[str, float]:
+        """:func:`floor_tops` of the reference's steps so far ({} when ``floor_cap`` is 0), rounded so that the
+        trials' capped samples are computed again only when a floor moves."""
+        if self.opt.floor_cap <= 0:
+            return {}
+        key = ("floor_tops", len(self.trials))
+        if key not in self._cache:
+            ref = self.trials[0].config if self.trials else None
+            per: dict[str, list[float]] = {}
+            for t in self.trials:
+                if t.config == ref and not t.error:
+                    for s, v in t.slot_samples.items():
+                        per.setdefault(s, []).extend(v)
+            tops = floor_tops(per, self.opt.floor_cap)
+            self._cache[key] = {s: float(f"{v:.3g}") for s, v in sorted(tops.items())}
         return self._cache[key]

@@ -210,7 +210,7 @@ class Searcher(Racing, Looks, FinalDecision, Budget):
 
         def record(t: Trial, taken: list[Option]) -> None:
             for opt in taken:
-                score = self._score(t.slot_samples, self._slots_of(opt))
+                score = self._score(self._scaled(t, None), self._slots_of(opt))  # floor_cap's steps
                 if score is not None:
                     raw.setdefault(opt, []).append((t, score))
 
@@ -309,6 +309,7 @@ class Searcher(Racing, Looks, FinalDecision, Budget):
             r["rest_scaled_by"] = self._betas().get(s, 0.0)
             r["trial_level_pct"] = round(100 * taus.get(s, 0.0), 3)  # counted in the racing (engine/trial_effect.py)
             r["step_spread_pct"] = round(100 * self._sigma(s), 3)  # the slot's own; the standard errors pool them
+            r["floor_top_ms"] = self._floor_tops().get(s, 0.0)  # its steps counted at most this (floor_cap; 0: not)
             r["runners_up"] = sorted(f"{x.gemm}: {x.label}" for x in runners if s in self._slots_of(x))
         # 4. the accepted choices in one config, largest gain first: where two cannot go together (a
         #    ring-exchange dgrad rules out a bulk wgrad of the same module) the smaller gives way, not whichever

@@ -157,6 +157,11 @@ class SearchOptions:
     # the true option, third in line, had none (the issue's third idea: a runoff among the best few). On 200 seeds it
     # took hostglm 176 (75.9 -> 100%) and named 1.5% false winners on trial_wide (0.5% one after another)
     runners_up_in_turn: int = 0
+    # > 0: a slot whose steps sit at a floor with stretches well above it (a forward whose GPU waits on the host in
+    # stretches) counts each step at most its floor x (1 + floor_cap): in the racing and the looks the reference's
+    # 10th-percentile step, in the final decision the slower of the two configs' fastest steps in each quadruple
+    # (engine/rest_scaling.py ``floor_tops``); a GPU gain shows only at the floor (0: off; the step never capped)
+    floor_cap: float = 0.0
     # the final decision's quadruple gains are clipped at their median +- this many robust standard deviations
     # (paired.clipped; 0: not clipped): a stretch of slow steps in a few blocks left real 1.2-2.3% gains undecided
     clip_sds: float = 4.0
@@ -218,6 +223,8 @@ class SearchOptions:
         ):
             if getattr(self, k) not in (0, 1):
                 raise ValueError(f"{k} = {getattr(self, k)}: must be 0 or 1")
+        if self.floor_cap < 0:
+            raise ValueError(f"floor_cap = {self.floor_cap}: must be >= 0 (0: steps are not capped)")
         if self.clip_sds < 0:
             raise ValueError(f"clip_sds = {self.clip_sds}: must be >= 0 (0: the quadruples' gains are not clipped)")
 

@@ -31,7 +31,7 @@ from megatron_tp_overlap.engine.exhaustive import BENCHMARK_EXHAUSTIVE
 from megatron_tp_overlap.engine.search import Measurement, Searcher, SearchOptions
 from megatron_tp_overlap.engine.space import Option, TuningConfig, all_off, apply, build_space, is_valid
 from megatron_tp_overlap.engine.topology import Topology
-from megatron_tp_overlap.tools.research.disturbances import BURST, STEP_MS, disturbance
+from megatron_tp_overlap.tools.research.disturbances import BURST, HOST_SLOW, STEP_MS, HostModes, disturbance
 from megatron_tp_overlap.ub.config import UbConfig
 from megatron_tp_overlap.ub.rules import ValidationContext
 
@@ -47,7 +47,7 @@ OFF_MS = 4.5  # a GEMM with overlap off
 DISTURBED_STEPS = 400  # the steps the disturbances are laid over (jump: its middle third), where searches run (140-200)
 SCENARIOS = (
     "iid", "ramp", "jump", "periodic", "position", "jitter", "power", "locked", "hostbound", "trial", "trial_wide",
-    "burst", "hostfwd", "hostglm",
+    "burst", "hostfwd", "hostglm", "hostmax",
 )  # fmt: skip
 # "trial": each trial's slots sit apart from the last trial's, alike for its steps (host work, clocks after a gap), the
 # forwards more: what real dense steps showed (results/2026-11-26_h200x2b/: 17 of 24 equal worlds accepted a choice)
@@ -71,6 +71,7 @@ FWD_FASTEST = {"proj.fwd": 1.2}
 # "hostglm": real GLM-4-9B-like FP8 steps on one H200 (results/2026-11-28_h200x4b/: the incumbent's trials ~0.24 ms
 # apart in qkv.fwd, proj.fwd and fc2.fwd alike, 14-22% of their levels): hostfwd with qkv.fwd and fc2.fwd as noisy
 GLM = FWD | {"qkv.fwd": (0.0, 0.05, 0.08), "fc2.fwd": (0.0, 0.03, 0.08)}
+MAX = {s: (0.0, 0.01, 0.0) for s in SLOTS} | {"proj.fwd": (0.0, 0.03, 0.0)}  # hostmax: the GPU's own (disturbances.py)
 
 
 @dataclass
@@ -121,18 +122,21 @@ class SimulatedRun:
         self.costs: dict[TuningConfig, dict[str, float]] = {}
         phase = rng.uniform(0, 2 * math.pi) if scenario == "power" else 0.0  # where in its period the run starts
         self.disturb = disturbance(scenario, span_steps, phase)
-        self.wide = {"trial_wide": WIDE, "hostfwd": FWD, "hostglm": GLM}.get(scenario, {})
+        self.wide = {"trial_wide": WIDE, "hostfwd": FWD, "hostglm": GLM, "hostmax": MAX}.get(scenario, {})
         self.trial_sd = {s: v[2] for s, v in self.wide.items()} or (TRIAL_SD if scenario == "trial" else None)
         self.extra = {s: v[0] for s, v in self.wide.items()}  # ms per slot on top of its GEMMs', out of the step's rest
-        if scenario in ("hostfwd", "hostglm"):
+        if scenario in ("hostfwd", "hostglm", "hostmax"):
             self.extra |= {s: ms - sum(world.fastest_ms(g) for g in SLOTS[s]) for s, ms in FWD_FASTEST.items()}
-        self.burst = scenario == "burst"
+        self.burst, self.modes = scenario == "burst", HostModes() if scenario == "hostmax" else None
+        self.floor = {s: sum(world.fastest_ms(g) for g in SLOTS[s]) + self.extra.get(s, 0.0) for s in HOST_SLOW}
 
     def __call__(self, config: TuningConfig, steps: int, warmup: int) -> Measurement:
         if config != self.live:
             self.live, self.since = config, 0
         self.i += warmup
         self.since += warmup
+        for _ in range(warmup if self.modes else 0):
+            self.modes.step(self.rng)
         if config not in self.costs:  # the true ms per slot (the search's many trials repeat configs)
             ms = {s: sum(self.world.gemm_ms(g, config) for g in gs) for s, gs in SLOTS.items()}
             self.costs[config] = {s: v + self.extra.get(s, 0.0) for s, v in ms.items()}
@@ -149,12 +153,14 @@ class SimulatedRun:
         step_ms = []
         for _ in range(steps):
             factor, host, noise = self.disturb(self.i, self.since, self.rng)
-            total = 0.0
+            u, total = self.modes.step(self.rng) if self.modes else 0.0, 0.0
             for s in SLOTS:
                 v = factor * cost[s] * (1 + self.rng.gauss(0, self.wide[s][1] if self.wide else noise))
+                if u and s in HOST_SLOW:  # the slot waits for the host's issue (hostmax)
+                    v = max(v, self.floor[s] * (HOST_SLOW[s][0] + u * (HOST_SLOW[s][1] - HOST_SLOW[s][0])))
                 slots[s].append(v)
                 total += v
-            rest = STEP_MS - 12 * GEMM_MS - sum(self.extra.values())
+            rest = (STEP_MS - 12 * GEMM_MS - sum(self.extra.values())) * (1.12 if u else 1.0)
             step_ms.append(total + factor * rest + host + self.rng.gauss(0, 0.002 * STEP_MS))
             self.i += 1
             self.since += 1

@@ -1,0 +1,74 @@
+"""Is a host-bound forward's step time a spread around a level, or a floor with stretches above it? (issue 46)
+
+decision_sim's ``hostfwd`` and ``hostglm`` spread a noisy forward's trials and steps around its level (Gaussian). On
+real FP8 steps the misses of issue 46 sit in such forwards. This reads the per-step slot times of
+``search_on_real_steps.py --runs 0 --common-factor N`` runs (an equal world, racing-like trials) and, per run and
+slot, splits the steps at 1.25x the slot's floor (the median of its fastest quarter of steps): the floor, the share of
+steps above it ("slow"), how a slow step follows a slow or a fast one (a two-state chain), the slow steps over the
+floor (quantiles), and the rest of the step (step minus every slot) in fast and in slow steps. These are the figures
+``decision_sim``'s ``hostmax`` scenario is built on (tools/research/disturbances.py).
+
+    python benchmarks/studies/host_modes.py RUN_DIR/search_on_real_steps.json ... [--slots proj.fwd qkv.fwd]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+SLOW_OVER_FLOOR = 1.25  # a step above this many times the slot's floor is a slow one
+
+
+def modes(trials: list[dict], slot: str) -> dict:
+    """``trials``: [{"slots": {slot: [ms per step]}, "step": [ms per step]}] in run order."""
+    seq = [v for t in trials for v in t["slots"][slot]]
+    slots = sorted(trials[0]["slots"])
+    rest = [t["step"][i] - sum(t["slots"][s][i] for s in slots) for t in trials for i in range(len(t["step"]))]
+    floor = statistics.median(sorted(seq)[: max(1, len(seq) // 4)])
+    slow = [v > SLOW_OVER_FLOOR * floor for v in seq]
+    pairs = list(zip(slow, slow[1:]))
+    after_slow = [b for a, b in pairs if a]
+    after_fast = [b for a, b in pairs if not a]
+    over = sorted(v / floor for v, s in zip(seq, slow) if s)
+
+    def q(p: float) -> float:
+        return over[int(p * (len(over) - 1))] if over else float("nan")
+
+    return {
+        "steps": len(seq),
+        "floor_ms": round(floor, 4),
+        "slow_share": round(sum(slow) / len(slow), 3),
+        "p_slow_after_slow": round(sum(after_slow) / len(after_slow), 3) if after_slow else None,
+        "p_slow_after_fast": round(sum(after_fast) / len(after_fast), 3) if after_fast else None,
+        "slow_over_floor_q10_50_90": [round(q(0.1), 2), round(q(0.5), 2), round(q(0.9), 2)],
+        "rest_ms_fast_slow": [
+            round(statistics.median([r for r, s in zip(rest, slow) if not s]), 2),
+            round(statistics.median([r for r, s in zip(rest, slow) if s]), 2) if any(slow) else None,
+        ],
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("json", nargs="+", type=Path)
+    p.add_argument("--slots", nargs="+", default=["proj.fwd", "qkv.fwd"])
+    a = p.parse_args()
+    print("| run | slot | steps | floor ms | slow share | P(slow after slow) | P(slow after fast) | slow / floor q10, "
+          "q50, q90 | rest ms, fast / slow steps |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
+    for f in a.json:
+        trials = json.loads(f.read_text())["common_factor"]["trials"]
+        for s in a.slots:
+            m = modes(trials, s)
+            q = ", ".join(f"{x:.2f}" for x in m["slow_over_floor_q10_50_90"])
+            r = " / ".join(str(x) for x in m["rest_ms_fast_slow"])
+            print(
+                f"| {f.parent.name} | {s} | {m['steps']} | {m['floor_ms']:.3f} | {m['slow_share']:.2f} | "
+                f"{m['p_slow_after_slow']} | {m['p_slow_after_fast']} | {q} | {r} |"
+            )
+
+
+if __name__ == "__main__":
+    main()
