@@ -50,7 +50,7 @@ def test_interval_covers_zero_gain_at_its_level():
     assert false / 4000 <= 0.025 + 0.006  # one-sided error of a 95% two-sided interval
 
 
-@pytest.mark.parametrize("scenario", decision_sim.SCENARIOS)  # one test each: pytest -n 2 spreads them
+@pytest.mark.parametrize("scenario", [s for s in decision_sim.SCENARIOS if s != "hostmax"])  # hostmax: test_racing.py
 def test_decision_rule_on_three_simulated_runs(scenario):
     """The decision rule on simulated runs with known costs (not a timing test), seeds 0-2 of every scenario (10 before
     issue 46: its search spends the rest of the budget, each run costs over twice the CPU; 4 before the 120 s budget,

@@ -346,3 +346,50 @@ def test_a_leader_raced_ahead_looks_again_while_fewer_than_three_looks_count():
     out = sim.run_once("burst", sim.seed_gain(29), sim.GAIN_SEED + 29, at_31())
     fc2 = out.choices["fc2_fprop"]
     assert fc2["accepted"] and fc2["per_look_ms"] == [0.0195, 0.8228] and out.realized == 1.0, fc2
+
+
+def test_a_floor_is_found_where_steps_sit_at_it_or_well_above_it_and_only_there():
+    """``rest_scaling.floor_tops``: a slot at its GPU time (+-1%) in 60% of its steps and at 1.4-2.7x it in the rest
+    (a forward whose GPU waits on the host in stretches, as real Granite-3-8B-like FP8 proj.fwd steps on H200) has a
+    floor; one spread around its level (decision_sim hostfwd's 10% per step and 22% per trial) and a steady backward do
+    not. ``capped`` counts a floor slot's steps at most at its top and leaves the others as they are."""
+    from megatron_tp_overlap.engine import rest_scaling
+
+    rng = random.Random(3)
+    host = [0.29 * (1 + rng.gauss(0, 0.01)) if rng.random() < 0.6 else 0.29 * rng.uniform(1.4, 2.7) for _ in range(200)]
+    levels = [1 + rng.gauss(0, 0.22) for _ in range(50)]
+    spread = [1.2 * lv * (1 + rng.gauss(0, 0.10)) for lv in levels for _ in range(4)]
+    steady = [3.0 * (1 + rng.gauss(0, 0.005)) for _ in range(200)]
+    tops = rest_scaling.floor_tops({"proj.fwd": host, "qkv.fwd": spread, "fc1.bwd": steady}, 0.05)
+    assert list(tops) == ["proj.fwd"] and 0.29 * 1.03 < tops["proj.fwd"] < 0.29 * 1.06  # its 10th percentile + 5%
+    assert rest_scaling.floor_tops({"proj.fwd": host[:19]}, 0.05) == {}  # too few steps to tell
+    out = rest_scaling.capped({"proj.fwd": [0.29, 0.7], "fc1.bwd": [3.0, 9.0]}, tops)
+    assert out == {"proj.fwd": [0.29, tops["proj.fwd"]], "fc1.bwd": [3.0, 9.0]}
+
+
+def test_counting_a_host_bound_forward_at_its_floor_takes_the_gain_hostmax_left():
+    """decision_sim hostmax seed 1: a 1.1 ms proj_fprop gain that the slot shows only in its fast steps. At the
+    defaults the looks also accepted an equal qkv_fprop (0.47 ms on one look that caught a slow stretch) and the final
+    decision kept the reference (0%); with ``floor_cap`` 0.05 both the looks and the decision count proj.fwd's steps at
+    its floor and take all of it. The 200-seed tables: decision_sim README, thirty-seventh section."""
+    gain = sim.seed_gain(1)
+    assert sim.run_once("hostmax", gain, sim.GAIN_SEED + 1).realized == 0.0
+    assert sim.run_once("hostmax", gain, sim.GAIN_SEED + 1, SearchOptions(floor_cap=0.05)).realized == 1.0
+    with pytest.raises(ValueError, match="floor_cap = -0.1: must be >= 0"):
+        SearchOptions(floor_cap=-0.1)
+
+
+def test_hostmax_host_stays_slow_in_stretches_as_measured():
+    """decision_sim hostmax's host (``disturbances.HostModes``): slow in about 37% of the steps (0.16 / (0.16 + 0.27),
+    the chain fitted to 1440 real steps: benchmarks/studies/host_modes.py), a slow step after a slow one with
+    probability 0.73, and a slow proj.fwd 1.4-2.7x its fastest GPU time."""
+    from megatron_tp_overlap.tools.research.disturbances import HostModes
+
+    modes, rng = HostModes(), random.Random(0)
+    us = [modes.step(rng) for _ in range(20000)]
+    slow = [u > 0 for u in us]
+    assert 0.35 < sum(slow) / len(slow) < 0.39
+    after = [b for a, b in zip(slow, slow[1:]) if a]
+    assert 0.71 < sum(after) / len(after) < 0.75
+    issued = [HostModes.issue_ms("proj.fwd", 0.29, u) for u in us if u]
+    assert 0.29 * 1.4 <= min(issued) and max(issued) <= 0.29 * 2.7

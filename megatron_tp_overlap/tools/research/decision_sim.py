@@ -4,10 +4,10 @@ A simulated GPT layer stack (qkv/proj/fc1/fc2, 12 GEMMs) where every config's tr
 what real trial steps show (H200, Megatron-LM): per-slot GPU noise, host jitter on the step, a step time that drifts
 (ramp) or jumps (+25% for a third of the budget), a periodic slow step, the power limit's clock oscillation (measured:
 benchmarks/results/2026-11-23_h200x1/trial_noise/), free-running or restarting in phase after every switch
-(../verify_noise/), a host-bound forward caught by a burst of slow steps for a whole trial (burst), one whose
-trials sit 22% apart (hostfwd), and three such forwards (hostglm). Per seed a few options of a few GEMMs are truly
-faster (together ``gain`` of the step), or none is (``equal``). The search runs on it unchanged (:class:`~engine.search.Searcher` with the default
-options) and is scored by the true cost of what it chose:
+(../verify_noise/), a host-bound forward caught by a burst of slow steps for a whole trial (burst), one whose trials
+sit 22% apart (hostfwd), three such (hostglm), forwards that wait on the host in stretches (hostmax). Per seed a few
+options of a few GEMMs are truly faster (together ``gain`` of the step), or none is (``equal``). The search runs on it
+unchanged (:class:`~engine.search.Searcher`, default options) and is scored by the true cost of what it chose:
 
 - realized: (reference - chosen) / (reference - best), the share of the available gain it took;
 - worst: the chosen config's true cost over the reference's (> 0: it ended slower);
@@ -45,10 +45,8 @@ SLOTS = TOPO.slots()
 GEMM_MS = 3.0  # each of the 12 GEMMs (+ its communication) under the reference: 36 ms of the step in slots
 OFF_MS = 4.5  # a GEMM with overlap off
 DISTURBED_STEPS = 400  # the steps the disturbances are laid over (jump: its middle third), where searches run (140-200)
-SCENARIOS = (
-    "iid", "ramp", "jump", "periodic", "position", "jitter", "power", "locked", "hostbound", "trial", "trial_wide",
-    "burst", "hostfwd", "hostglm", "hostmax",
-)  # fmt: skip
+SCENARIOS = ("iid", "ramp", "jump", "periodic", "position", "jitter", "power", "locked", "hostbound", "trial",
+             "trial_wide", "burst", "hostfwd", "hostglm", "hostmax")  # fmt: skip
 # "trial": each trial's slots sit apart from the last trial's, alike for its steps (host work, clocks after a gap), the
 # forwards more: what real dense steps showed (results/2026-11-26_h200x2b/: 17 of 24 equal worlds accepted a choice)
 TRIAL_SD = {s: {"fwd": 0.015, "bwd": 0.005}[s[-3:]] for s in SLOTS}
@@ -64,14 +62,13 @@ WIDE |= {s: (0.0, 0.012, 0.007) for s in ("qkv.bwd", "proj.fwd", "proj.bwd")}
 # under 1%
 FWD = {s: (0.0, 0.01, 0.005) for s in SLOTS} | {"proj.fwd": (0.0, 0.10, 0.22), "qkv.fwd": (0.0, 0.05, 0.07)}
 FWD |= {"fc1.fwd": (0.0, 0.01, 0.02), "fc2.fwd": (0.0, 0.01, 0.02)}
-# ... and proj.fwd at its real size: its fastest option costs this many ms, a slower one its excess more (21360's
-# incumbent trials: median 1.03 ms with 0.345 ms put in, of a 56.3 ms step: 0.69 ms, 1.2% of it; the simulator's
-# 3 ms GEMM is 3%, and at 22% of that its trials sat twice as far apart as the real ones, against gains alike)
+# ... and proj.fwd at its real size, its fastest option's ms (21360: 0.69 of a 56.3 ms step, 1.2%; the 3 ms GEMM, 3%,
+# put its trials twice as far apart as the real ones, against gains alike; Granite-3-8B-like FP8: 0.29 of 26, 1.1%)
 FWD_FASTEST = {"proj.fwd": 1.2}
 # "hostglm": real GLM-4-9B-like FP8 steps on one H200 (results/2026-11-28_h200x4b/: the incumbent's trials ~0.24 ms
 # apart in qkv.fwd, proj.fwd and fc2.fwd alike, 14-22% of their levels): hostfwd with qkv.fwd and fc2.fwd as noisy
 GLM = FWD | {"qkv.fwd": (0.0, 0.05, 0.08), "fc2.fwd": (0.0, 0.03, 0.08)}
-MAX = {s: (0.0, 0.01, 0.0) for s in SLOTS} | {"proj.fwd": (0.0, 0.03, 0.0)}  # hostmax: the GPU's own (disturbances.py)
+MAX = {s: (0.0, 0.01, 0.0) for s in SLOTS} | {"proj.fwd": (0.0, 0.03, 0.0)}  # hostmax's GPU noise (disturbances.py)
 
 
 @dataclass
@@ -135,8 +132,7 @@ class SimulatedRun:
             self.live, self.since = config, 0
         self.i += warmup
         self.since += warmup
-        for _ in range(warmup if self.modes else 0):
-            self.modes.step(self.rng)
+        u = self.modes.step(self.rng, warmup) if self.modes else 0.0
         if config not in self.costs:  # the true ms per slot (the search's many trials repeat configs)
             ms = {s: sum(self.world.gemm_ms(g, config) for g in gs) for s, gs in SLOTS.items()}
             self.costs[config] = {s: v + self.extra.get(s, 0.0) for s, v in ms.items()}
@@ -153,11 +149,11 @@ class SimulatedRun:
         step_ms = []
         for _ in range(steps):
             factor, host, noise = self.disturb(self.i, self.since, self.rng)
-            u, total = self.modes.step(self.rng) if self.modes else 0.0, 0.0
+            u, total = self.modes.step(self.rng) if self.modes else u, 0.0
             for s in SLOTS:
                 v = factor * cost[s] * (1 + self.rng.gauss(0, self.wide[s][1] if self.wide else noise))
-                if u and s in HOST_SLOW:  # the slot waits for the host's issue (hostmax)
-                    v = max(v, self.floor[s] * (HOST_SLOW[s][0] + u * (HOST_SLOW[s][1] - HOST_SLOW[s][0])))
+                if u and s in HOST_SLOW:  # the slot ends when the host has issued it (hostmax)
+                    v = max(v, HostModes.issue_ms(s, self.floor[s], u))
                 slots[s].append(v)
                 total += v
             rest = (STEP_MS - 12 * GEMM_MS - sum(self.extra.values())) * (1.12 if u else 1.0)
@@ -357,13 +353,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--only-seeds", type=int, nargs="+", metavar="S", help="these table seeds instead, e.g. 49 121")
     p.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
     p.add_argument("--vs-exhaustive", action="store_true", help="also the slot-exhaustive search on the gain seeds")
-    preset_help = "2-3 faster options per world and a preset-like contender between the reference and the best"
-    p.add_argument("--preset", action="store_true", help=preset_help)
-    clock_help = "seconds per step, per switch and of the search's work per trial (default: 0.1 per step, nothing "
-    clock_help += "else), e.g. 0.14 0.3 0.05: the Qwen3-MoE-like steps on one H100"
+    p.add_argument("--preset", action="store_true", help="2-3 faster options per world and a preset-like contender "
+                   "between the reference and the best")  # fmt: skip
+    clock_help = "seconds per step, per switch and of the search's work per trial (default: 0.1 per step), e.g. "
+    clock_help += "0.14 0.3 0.05: the Qwen3-MoE-like steps on one H100"
     p.add_argument("--clock", nargs=3, type=float, metavar=("STEP_S", "SWITCH_S", "OUTSIDE_S"), help=clock_help)
-    verify_help = "the in-run verification (verify_sim, this iteration noise) decides each config the search hands on"
-    p.add_argument("--verify", choices=["locked", "free"], help=verify_help)
+    p.add_argument("--verify", choices=["locked", "free"], help="the in-run verification (verify_sim, this iteration "
+                   "noise) decides each config the search hands on")  # fmt: skip
     set_help = "search options other than the defaults, e.g. --set screen_steps=2 keep=2 bracket_every=3"
     p.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help=set_help)
     a = p.parse_args(argv)

@@ -29,12 +29,20 @@ class HostModes:
     """The host's state step by step (``hostmax``): slow or fast, and in a slow step how far behind it issues."""
 
     def __init__(self) -> None:
-        self.slow = False
+        self.slow, self.u = False, 0.0
 
-    def step(self, rng: random.Random) -> float:
-        """One step: 0 when the GPU is the bound; else where in the slow range (0-1] the host issues, all slots alike."""
-        self.slow = rng.random() < HOST_MODES[0 if self.slow else 1]
-        return max(1e-9, rng.random()) if self.slow else 0.0
+    def step(self, rng: random.Random, n: int = 1) -> float:
+        """``n`` steps on; the last one's place in the slow range, (0, 1], all slots alike (0: the GPU is the bound)."""
+        for _ in range(n):
+            self.slow = rng.random() < HOST_MODES[0 if self.slow else 1]
+            self.u = max(1e-9, rng.random()) if self.slow else 0.0
+        return self.u
+
+    @staticmethod
+    def issue_ms(slot: str, fastest_ms: float, u: float) -> float:
+        """When the host has issued ``slot`` (ms after its start) at place ``u`` of the slow range."""
+        lo, hi = HOST_SLOW[slot]
+        return fastest_ms * (lo + u * (hi - lo))
 
 
 def disturbance(
