@@ -465,3 +465,19 @@ def test_a_miss_trace_keeps_every_slots_delay_and_the_simulator_couples_no_slot(
     assert abs(own - 1.0) < 3 * se and abs(f["constant"][0]) < 3 * f["constant"][1] + 1e-9
     (line,) = sc.lines([{**missed, "dtype": "bf16", "slots": slots}])
     assert line.startswith("seed 1001 (bf16, max_seconds=8) proj.fwd, ") and "elsewhere: none beyond 2 standard" in line
+
+
+def test_host_modes_reads_a_floor_its_slow_share_and_how_slow_steps_follow_each_other():
+    """``host_modes.modes`` on steps laid out by hand: 0.3 ms at the floor, 0.6 ms in stretches (a slow step after a
+    slow one 3 times of 4, after a fast one 4 times of 15); a steady slot beside it has no slow step."""
+    spec = importlib.util.spec_from_file_location("host_modes", PATH.parent / "host_modes.py")
+    hm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hm)
+    pattern = [0.3, 0.3, 0.3, 0.6, 0.6, 0.6, 0.6, 0.3]  # fast-fast x2, fast-slow, slow-slow x3, slow-fast, (fast-fast)
+    trials = [{"slots": {"proj.fwd": pattern[:4], "fc1.bwd": [2.0] * 4}, "step": [20.0, 20.0, 20.0, 22.0]}]
+    trials += [{"slots": {"proj.fwd": pattern[4:], "fc1.bwd": [2.0] * 4}, "step": [22.0, 22.0, 22.0, 20.0]}]
+    m = hm.modes(trials * 4, "proj.fwd")
+    assert m["floor_ms"] == 0.3 and m["slow_share"] == 0.5 and m["slow_over_floor_q10_50_90"] == [2.0, 2.0, 2.0]
+    assert m["p_slow_after_slow"] == 0.75 and m["p_slow_after_fast"] == 0.267  # 4 of 15: the repeats join fast-fast
+    assert m["rest_ms_fast_slow"] == [17.7, 19.4]  # the step minus both slots
+    assert hm.modes(trials, "fc1.bwd")["slow_share"] == 0.0
