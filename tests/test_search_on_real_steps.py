@@ -467,7 +467,7 @@ def test_a_miss_trace_keeps_every_slots_delay_and_the_simulator_couples_no_slot(
     assert line.startswith("seed 1001 (bf16, max_seconds=8) proj.fwd, ") and "elsewhere: none beyond 2 standard" in line
 
 
-def test_host_modes_reads_a_floor_its_slow_share_and_how_slow_steps_follow_each_other():
+def test_host_modes_reads_a_floor_its_slow_share_and_how_slow_steps_follow_each_other(tmp_path):
     """``host_modes.modes`` on steps laid out by hand: 0.3 ms at the floor, 0.6 ms in stretches (a slow step after a
     slow one 3 times of 4, after a fast one 4 times of 15); a steady slot beside it has no slow step."""
     spec = importlib.util.spec_from_file_location("host_modes", PATH.parent / "host_modes.py")
@@ -476,8 +476,16 @@ def test_host_modes_reads_a_floor_its_slow_share_and_how_slow_steps_follow_each_
     pattern = [0.3, 0.3, 0.3, 0.6, 0.6, 0.6, 0.6, 0.3]  # fast-fast x2, fast-slow, slow-slow x3, slow-fast, (fast-fast)
     trials = [{"slots": {"proj.fwd": pattern[:4], "fc1.bwd": [2.0] * 4}, "step": [20.0, 20.0, 20.0, 22.0]}]
     trials += [{"slots": {"proj.fwd": pattern[4:], "fc1.bwd": [2.0] * 4}, "step": [22.0, 22.0, 22.0, 20.0]}]
-    m = hm.modes(trials * 4, "proj.fwd")
+    path = tmp_path / "search_on_real_steps.json"
+    path.write_text(json.dumps({"common_factor": {"trials": trials * 4}}))
+    (_, _, m), (_, _, steady) = hm.runs_of(path, ["proj.fwd", "fc1.bwd"])
     assert m["floor_ms"] == 0.3 and m["slow_share"] == 0.5 and m["slow_over_floor_q10_50_90"] == [2.0, 2.0, 2.0]
     assert m["p_slow_after_slow"] == 0.75 and m["p_slow_after_fast"] == 0.267  # 4 of 15: the repeats join fast-fast
     assert m["rest_ms_fast_slow"] == [17.7, 19.4]  # the step minus both slots
-    assert hm.modes(trials, "fc1.bwd")["slow_share"] == 0.0
+    assert m["near_far_mixed"] == [0.5, 0.5, 1.0]  # every trial holds steps at 0.3 and at 0.6
+    assert steady["slow_share"] == 0.0 and steady["near_far_mixed"] == [1.0, 0.0, 0.0]
+    # a search's reference trials from its miss_trace rows (phase, position, ms, delay, every delay, steps, rest)
+    rows = [["bracket", 5 * i, 0.3, 0.0, [0.0], t["slots"]["proj.fwd"], [17.7] * 4] for i, t in enumerate(trials * 4)]
+    path.write_text(json.dumps({"runs": [{"seed": 7, "miss_trace": {"proj.fwd": rows + [["halving", 99, 0.3, 0.0]]}}]}))
+    ((run, slot, traced),) = hm.runs_of(path, ["proj.fwd"])
+    assert (run, slot, traced["slow_share"], traced["near_far_mixed"]) == ("seed 7", "proj.fwd", 0.5, [0.5, 0.5, 1.0])
