@@ -94,21 +94,27 @@ def scaled(t: Any, norm: tuple[float, dict[str, float]] | None) -> dict[str, lis
 
 
 FLOOR_NEAR, FLOOR_FAR, FAR_OVER = 0.3, 0.15, 1.3  # a floor: this share of steps within the cap, this share beyond
+FLOOR_MIXED, FLOOR_TRIALS = 0.15, 8  # ... and this share of the trials with steps at both, of this many at least
 
 
-def floor_tops(samples: dict[str, list[float]], cap: float) -> dict[str, float]:
-    """Per slot whose steps (``samples``: the reference's so far) sit at a floor, with stretches well above it (at
-    least ``FLOOR_NEAR`` of them within ``cap`` of its 10th percentile and ``FLOOR_FAR`` over ``FAR_OVER`` x it): that
-    10th percentile x (1 + ``cap``). A forward whose GPU waits on the host in stretches (real Granite-3-8B-like FP8
-    steps on H200: proj.fwd at its GPU time +- 3% or at 1.4-2.7x it, 27-50% of the steps) shows a GPU gain only at
-    its floor; a spread around a level (decision_sim hostfwd) has no such floor and is left alone."""
+def floor_tops(trials: dict[str, list[list[float]]], cap: float) -> dict[str, float]:
+    """Per slot whose steps (``trials``: the reference's so far, trial by trial) sit at a floor, with stretches well
+    above it: at least ``FLOOR_NEAR`` of them within ``cap`` of its 10th percentile, ``FLOOR_FAR`` over ``FAR_OVER`` x
+    it, and ``FLOOR_MIXED`` of ``FLOOR_TRIALS`` or more trials with steps at both (the host changes within a trial; a
+    level each trial shares moves all its steps): that 10th percentile x (1 + ``cap``). A forward whose GPU waits on
+    the host in stretches (real Granite-3-8B-like FP8 steps on H200: proj.fwd at its GPU time +- 3% or at 1.4-2.9x
+    it) shows a GPU gain only at its floor; a spread around a level (decision_sim hostfwd) has no such floor."""
     out = {}
-    for s, v in samples.items():
-        if len(v) >= 20 and (q := sorted(v)[len(v) // 10]) > 0:
-            near = sum(x <= q * (1 + cap) for x in v) / len(v)
-            far = sum(x > q * FAR_OVER for x in v) / len(v)
-            if near >= FLOOR_NEAR and far >= FLOOR_FAR:
-                out[s] = q * (1 + cap)
+    for s, ts in trials.items():
+        v, multi = [x for t in ts for x in t], [t for t in ts if len(t) >= 2]
+        if len(multi) < FLOOR_TRIALS or (q := sorted(v)[len(v) // 10]) <= 0:
+            continue
+        top = q * (1 + cap)
+        near = sum(x <= top for x in v) / len(v)
+        far = sum(x > q * FAR_OVER for x in v) / len(v)
+        mixed = sum(min(t) <= top and max(t) > q * FAR_OVER for t in multi) / len(multi)
+        if near >= FLOOR_NEAR and far >= FLOOR_FAR and mixed >= FLOOR_MIXED:
+            out[s] = top
     return out
 
 
@@ -169,11 +175,11 @@ class RestScaling:
         key = ("floor_tops", len(self.trials))
         if key not in self._cache:
             ref = self.trials[0].config if self.trials else None
-            per: dict[str, list[float]] = {}
+            per: dict[str, list[list[float]]] = {}
             for t in self.trials:
                 if t.config == ref and not t.error:
                     for s, v in t.slot_samples.items():
-                        per.setdefault(s, []).extend(v)
+                        per.setdefault(s, []).append(v)
             tops = floor_tops(per, self.opt.floor_cap)
             self._cache[key] = {s: float(f"{v:.3g}") for s, v in sorted(tops.items())}
         return self._cache[key]
