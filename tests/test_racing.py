@@ -349,12 +349,12 @@ def test_a_leader_raced_ahead_looks_again_while_fewer_than_three_looks_count():
 
 
 def test_a_floor_is_found_where_steps_sit_at_it_or_well_above_it_and_only_there():
-    """``rest_scaling.floor_tops``: a slot at its GPU time (+-1%) in 60% of its steps and at 1.4-2.7x it in the rest,
+    """``floors.floor_tops``: a slot at its GPU time (+-1%) in 60% of its steps and at 1.4-2.7x it in the rest,
     the host changing within trials (a forward whose GPU waits on the host in stretches, as real Granite-3-8B-like FP8
     proj.fwd steps on H200) has a floor; one spread around its level (decision_sim hostfwd's 10% per step and 22% per
     trial), the same steps sorted so that each trial sits at one level, and a steady backward do not. ``capped``
     counts a floor slot's steps at most at its top and leaves the others as they are."""
-    from megatron_tp_overlap.engine import rest_scaling
+    from megatron_tp_overlap.engine import floors
 
     rng = random.Random(3)
     host = [0.29 * (1 + rng.gauss(0, 0.01)) if rng.random() < 0.6 else 0.29 * rng.uniform(1.4, 2.7) for _ in range(200)]
@@ -363,10 +363,10 @@ def test_a_floor_is_found_where_steps_sit_at_it_or_well_above_it_and_only_there(
     steady = [3.0 * (1 + rng.gauss(0, 0.005)) for _ in range(200)]
     by4 = lambda v: [v[i : i + 4] for i in range(0, len(v), 4)]  # noqa: E731 - 50 trials of 4 steps
     trials = {"proj.fwd": by4(host), "qkv.fwd": by4(spread), "fc1.bwd": by4(steady), "fc2.fwd": by4(sorted(host))}
-    tops = rest_scaling.floor_tops(trials, 0.05)
+    tops = floors.floor_tops(trials, 0.05)
     assert list(tops) == ["proj.fwd"] and 0.29 * 1.03 < tops["proj.fwd"] < 0.29 * 1.06  # its 10th percentile + 5%
-    assert rest_scaling.floor_tops({"proj.fwd": by4(host)[:7]}, 0.05) == {}  # too few trials to tell
-    out = rest_scaling.capped({"proj.fwd": [0.29, 0.7], "fc1.bwd": [3.0, 9.0]}, tops)
+    assert floors.floor_tops({"proj.fwd": by4(host)[:7]}, 0.05) == {}  # too few trials to tell
+    out = floors.capped({"proj.fwd": [0.29, 0.7], "fc1.bwd": [3.0, 9.0]}, tops)
     assert out == {"proj.fwd": [0.29, tops["proj.fwd"]], "fc1.bwd": [3.0, 9.0]}
 
 

@@ -10,7 +10,7 @@ import statistics
 from collections.abc import Callable
 
 from megatron_tp_overlap.engine import paired
-from megatron_tp_overlap.engine.rest_scaling import capped
+from megatron_tp_overlap.engine.floors import capped
 from megatron_tp_overlap.engine.space import TuningConfig, is_valid
 from megatron_tp_overlap.engine.trial import (
     Contender,

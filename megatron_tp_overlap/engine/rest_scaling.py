@@ -18,6 +18,8 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from megatron_tp_overlap.engine.floors import capped, floor_tops
+
 R2_MIN = 0.25  # the share of a slot's step-to-step variance the rest must explain for the slot to be scaled
 T_MIN = 3.0  # ... with a correlation this many standard errors from none (t = r sqrt((n - 2) / (1 - r^2)))
 MIN_PAIRS = 8  # pairs of consecutive steps, at least
@@ -91,38 +93,6 @@ def scaled(t: Any, norm: tuple[float, dict[str, float]] | None) -> dict[str, lis
         s: [x / max(0.5, 1 + b * (y / level - 1)) for x, y in zip(v, c)] if (b := betas.get(s, 0.0)) else v
         for s, v in t.slot_samples.items()
     }
-
-
-FLOOR_NEAR, FLOOR_FAR, FAR_OVER = 0.3, 0.15, 1.3  # a floor: this share of steps within the cap, this share beyond
-FLOOR_MIXED, FLOOR_TRIALS = 0.15, 8  # ... and this share of the trials with steps at both, of this many at least
-
-
-def floor_tops(trials: dict[str, list[list[float]]], cap: float) -> dict[str, float]:
-    """Per slot whose steps (``trials``: the reference's so far, trial by trial) sit at a floor, with stretches well
-    above it: at least ``FLOOR_NEAR`` of them within ``cap`` of its 10th percentile, ``FLOOR_FAR`` over ``FAR_OVER`` x
-    it, and ``FLOOR_MIXED`` of ``FLOOR_TRIALS`` or more trials with steps at both (the host changes within a trial; a
-    level each trial shares moves all its steps): that 10th percentile x (1 + ``cap``). A forward whose GPU waits on
-    the host in stretches (real Granite-3-8B-like FP8 steps on H200: proj.fwd at its GPU time +- 3% or at 1.4-2.9x
-    it) shows a GPU gain only at its floor; a spread around a level (decision_sim hostfwd) has no such floor."""
-    out = {}
-    for s, ts in trials.items():
-        v, multi = [x for t in ts for x in t], [t for t in ts if len(t) >= 2]
-        if len(multi) < FLOOR_TRIALS or (q := sorted(v)[len(v) // 10]) <= 0:
-            continue
-        top = q * (1 + cap)
-        near = sum(x <= top for x in v) / len(v)
-        far = sum(x > q * FAR_OVER for x in v) / len(v)
-        mixed = sum(min(t) <= top and max(t) > q * FAR_OVER for t in multi) / len(multi)
-        if near >= FLOOR_NEAR and far >= FLOOR_FAR and mixed >= FLOOR_MIXED:
-            out[s] = top
-    return out
-
-
-def capped(samples: dict[str, list[float]], tops: dict[str, float]) -> dict[str, list[float]]:
-    """Per slot in ``tops``, one trial's steps at most ``tops[slot]`` (ms); the other slots' as they are."""
-    if not tops:
-        return samples
-    return {s: [min(x, tops[s]) for x in v] if s in tops else v for s, v in samples.items()}
 
 
 def own_scaled(t: Any, betas: dict[str, float]) -> dict[str, list[float]]:
