@@ -8,7 +8,8 @@ steps above it ("slow"), how a slow step follows a slow or a fast one (a two-sta
 floor (quantiles), and the rest of the step (step minus every slot) in fast and in slow steps. These are the figures
 ``decision_sim``'s ``hostmax`` scenario is built on (tools/research/disturbances.py). A search's JSON gives the same
 for the reference's own trials of each slot its ``miss_trace`` keeps; the last column is ``floor_cap``'s view: the
-share of steps within 5% of the 10th percentile, beyond 1.4x it, and of trials with steps at both.
+share of steps within 5% of the 10th percentile, beyond ``floors.FAR_OVER`` x it, and of trials with steps at
+both.
 
     python benchmarks/studies/host_modes.py RUN_DIR/search_on_real_steps.json ... [--slots proj.fwd qkv.fwd]
 """
@@ -20,8 +21,10 @@ import json
 import statistics
 from pathlib import Path
 
+from megatron_tp_overlap.engine.floors import FAR_OVER
+
 SLOW_OVER_FLOOR = 1.25  # a step above this many times the slot's floor is a slow one
-NEAR, FAR = 1.05, 1.4  # within 5% of the 10th-percentile step (floor_cap's top), beyond 1.4x it (a mixed trial: both)
+NEAR, FAR = 1.05, FAR_OVER  # floor_cap=0.05's top over the 10th-percentile step, and its "far above" (mixed: both)
 
 
 def modes(trials: list[list[float]], rest: list[float]) -> dict:

@@ -435,7 +435,7 @@ def miss_trace(trials: list, slots: list[str], excess_ms) -> dict[str, list[list
         for s in slots:
             if s in t.slot_ms:
                 steps = [round(v, 4) for v in t.slot_samples.get(s, [])]
-                rest = [round(v, 4) for v in t.rest_samples]  # a host-bound slot's steps: floor or not (floor_study.py)
+                rest = [round(v, 4) for v in t.rest_samples]  # host_modes.py reads both
                 out[s].append(
                     [t.phase, int(t.position), round(t.slot_ms[s], 4), round(put_in[s], 4), every, steps, rest]
                 )

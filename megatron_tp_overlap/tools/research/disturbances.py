@@ -15,10 +15,11 @@ SLOT_NOISE = 0.005  # relative GPU noise per slot and step
 # 0.71 and 0.81 ms; results/2026-11-27_h100x4/); (probability, least, most)
 BURST = (0.05, 0.3, 1.0)
 OWN_LEVELS = ("trial", "trial_wide", "hostfwd", "hostglm", "hostmax")  # scenarios whose trials have levels of their own
-# "hostmax": forwards whose GPU waits on the host in stretches. Real Granite-3-8B-like FP8 steps on one H200 (360
-# racing-like trials of an equal world, 4 x 6 runs, pinned or not, alone or 4 to a host; results/2026-11-28_h200x4e/):
+# "hostmax": forwards whose GPU waits on the host in stretches. Real Granite-3-8B-like FP8 steps on one H200 (six
+# runs of 60 racing-like trials of an equal world, pinned or not, alone or 4 to a host; results/2026-11-28_h200x4e/):
 # proj.fwd sits at its GPU time (0.29 ms +- 0.01) or, in 37% of the steps, at 1.4-2.7x it (the host's issue time),
-# qkv.fwd then at 1.8x its own; a slow step follows a slow one with probability 0.73, a fast one with 0.16, and the
+# qkv.fwd then at 1.3-2.0x its own (10th-90th percentiles; modelled to 2.3); a slow step follows a slow one with
+# probability 0.73, a fast one with 0.16, and the
 # rest of the step is ~12% slower. A slot takes the longer of its GPU time and the host's, so a GPU gain shows only
 # in the fast steps: 57-66% of a put-in delay, as real searches measured there.
 HOST_MODES = (0.73, 0.16)  # P(slow | slow step before), P(slow | fast step before)
