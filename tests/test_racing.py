@@ -382,6 +382,23 @@ def test_counting_a_host_bound_forward_at_its_floor_takes_the_gain_hostmax_left(
         SearchOptions(floor_cap=-0.1)
 
 
+@pytest.mark.parametrize("seed", [44, 72])
+def test_a_host_bound_forwards_trial_level_is_counted_on_its_own_and_names_no_false_winner(seed):
+    """decision_sim hostmax equal worlds 44 and 72: proj.fwd and qkv.fwd change host state in stretches, so their
+    trials sit apart, but the test for a trial level pooled over all eight slots (a median) never passed, and
+    looks with the steps' spread alone accepted equal qkv_fprop and proj_fprop options: false winners. Tested on its
+    own (``trial_own_diffs``, 30 differences) the level is counted and nothing is accepted (200 seeds: false winners
+    1.5 -> 0.0%; decision_sim README, thirty-eighth section)."""
+    before = sim.run_once("hostmax", 0.0, sim.EQUAL_SEED + seed, SearchOptions(trial_own_diffs=0))
+    after = sim.run_once("hostmax", 0.0, sim.EQUAL_SEED + seed)
+    assert before.false_winner and {"qkv_fprop", "proj_fprop"} <= {
+        g for g, c in before.choices.items() if c["accepted"]
+    }
+    assert not after.false_winner and not any(c["accepted"] for c in after.choices.values())
+    with pytest.raises(ValueError, match="trial_own_diffs = -1: must be >= 0"):
+        SearchOptions(trial_own_diffs=-1)
+
+
 def test_hostmax_host_stays_slow_in_stretches_as_measured():
     """decision_sim hostmax's host (``disturbances.HostModes``): slow in about 37% of the steps (0.16 / (0.16 + 0.27),
     the chain fitted to 1440 real steps: benchmarks/studies/host_modes.py), a slow step after a slow one with

@@ -10,7 +10,7 @@ from budgets import at_60
 from megatron_tp_overlap.engine import trial_effect
 from megatron_tp_overlap.engine.search import Searcher
 from megatron_tp_overlap.engine.space import TuningConfig, all_off, build_space
-from megatron_tp_overlap.engine.trial import Trial
+from megatron_tp_overlap.engine.trial import SearchOptions, Trial
 from megatron_tp_overlap.tools.research import decision_sim as sim
 from megatron_tp_overlap.ub.config import UbConfig
 
@@ -40,6 +40,31 @@ def test_too_few_trials_or_two_configs_apart_give_no_trial_level():
     a = [trial(i, {"qkv.fwd": [10.0] * 4}) for i in range(6)]
     b = [trial(6 + i, {"qkv.fwd": [11.0] * 4}) for i in range(6)]
     assert trial_effect.slot_taus([a, b], sigma=0.0) == {"qkv.fwd": 0.0}
+
+
+def test_one_slot_with_a_trial_level_among_steady_ones_is_measured_once_it_has_enough_differences_of_its_own():
+    """Seven slots whose trials differ as their steps say (units of about 1) and one whose trials sit 20% apart: the
+    test pooled over slots (median) sees only the seven, so with few differences no slot counts a level; from
+    ``trial_own_diffs`` on (30, the default) the one slot is tested alone (real Granite-3-8B-like FP8 steps, H200: proj.fwd's consecutive trials
+    differed 8-18x what its steps give over 41-134 differences, and the search counted no trial level;
+    results/2026-11-28_h200x4e/ call f2). A chance 3x in 30 differences of a level-free slot: under 0.1%."""
+    rng = random.Random(7)
+    steady = [f"s{k}" for k in range(7)]
+
+    def trials(n: int) -> list[Trial]:
+        out = []
+        for i in range(n):
+            slots = {s: [10.0 * (1 + 0.007 * rng.gauss(0, 1))] * 2 for s in steady}  # as sigma=1% steps give
+            slots["proj.fwd"] = [10.0 * (1 + 0.2 * rng.gauss(0, 1))] * 2
+            out.append(trial(i, slots))
+        return out
+
+    own = SearchOptions().trial_own_diffs
+    few, many = trials(own - 5), trials(own + 1)
+    assert set(trial_effect.slot_taus([few], 0.01, own_diffs=own).values()) == {0.0}
+    assert set(trial_effect.slot_taus([many], 0.01, own_diffs=0).values()) == {0.0}  # the pooled test alone
+    taus = trial_effect.slot_taus([many], 0.01, own_diffs=own)
+    assert 0.1 < taus.pop("proj.fwd") < 0.3 and set(taus.values()) == {0.0}, taus
 
 
 def test_the_trial_weight_counts_each_trial_by_its_share_and_the_incumbent_level_it_leans_on():

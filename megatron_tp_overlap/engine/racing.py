@@ -129,7 +129,9 @@ class Racing(rest_scaling.RestScaling):
         key = ("taus", incumbent, len(self.trials))
         if key not in self._cache:
             norm, groups = self._rest_norm(incumbent), trial_effect.incumbent_runs(self.trials)
-            self._cache[key] = trial_effect.slot_taus(groups, self._sigma(), lambda t: self._scaled(t, norm))
+            self._cache[key] = trial_effect.slot_taus(
+                groups, self._sigma(), lambda t: self._scaled(t, norm), self.opt.trial_own_diffs
+            )
         return self._cache[key]
 
     def _slot_level(self, incumbent: TuningConfig, slot: str) -> float:

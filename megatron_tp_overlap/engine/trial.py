@@ -122,6 +122,11 @@ class SearchOptions:
     # 1: the racing's standard errors add the level that a trial's steps share (engine/trial_effect.py): on real
     # dense steps 17 of 24 equal-world searches accepted a choice without it (simulated iid steps: 19 of 200)
     trial_noise: int = 1
+    # ... and a slot with this many differences between consecutive incumbent trials is tested for that level on its
+    # own, not only in the test pooled over slots (a median over slots: one noisy forward among steady slots never
+    # passed it; real Granite-3-8B-like FP8 steps: no level counted where proj.fwd's trials differed 8-18x what its
+    # steps give; decision_sim hostmax: false winners 1.5 -> 0%). 0: the pooled test only
+    trial_own_diffs: int = 30
     # 1: in a racing round a slot whose options all ran measures them again while the fullest slot's still run
     fill_slots: int = 1
     # fresh looks at a GEMM's leader at most: the first looks.RECHECKS are kept in the budget, later ones take its rest
@@ -223,6 +228,8 @@ class SearchOptions:
         ):
             if getattr(self, k) not in (0, 1):
                 raise ValueError(f"{k} = {getattr(self, k)}: must be 0 or 1")
+        if self.trial_own_diffs < 0:
+            raise ValueError(f"trial_own_diffs = {self.trial_own_diffs}: must be >= 0 (0: the pooled test only)")
         if self.floor_cap < 0:
             raise ValueError(f"floor_cap = {self.floor_cap}: must be >= 0 (0: steps are not capped)")
         if self.clip_sds < 0:

@@ -36,11 +36,14 @@ POOLED_MIN = 2.0
 OUTLIER_SDS = 4.0
 
 
-def slot_taus(groups: Iterable[list[Any]], sigma: float, scaled=lambda t: t.slot_samples) -> dict[str, float]:
+def slot_taus(
+    groups: Iterable[list[Any]], sigma: float, scaled=lambda t: t.slot_samples, own_diffs: int = 0
+) -> dict[str, float]:
     """Per slot, the relative trial-level spread ``tau`` over ``groups`` (each one config's trials in time order,
     of 2 measured steps or more; differences are taken within a group); ``sigma``: one step's relative spread;
     ``scaled(t)``: the samples as the racing scores them. A robust estimate (median absolute consecutive difference);
-    0 where the steps' own spread explains it or fewer than ``MIN_DIFFS`` differences exist."""
+    0 where the steps' own spread explains it or fewer than ``MIN_DIFFS`` differences exist. Where the test pooled
+    over slots fails, a slot with ``own_diffs`` differences (> 0) is still tested alone (a chance 3x in 30: < 0.1%)."""
     diffs: dict[str, list[tuple[float, int, int]]] = {}
     for trials in groups:
         prev: dict[str, tuple[float, int]] = {}
@@ -55,11 +58,10 @@ def slot_taus(groups: Iterable[list[Any]], sigma: float, scaled=lambda t: t.slot
     units = [
         r / (sigma * math.sqrt(1 / n0 + 1 / n1)) if sigma > 0 else math.inf for d in diffs.values() for r, n0, n1 in d
     ]
-    if not units or stats.sd_around_zero(units) ** 2 < POOLED_MIN:
-        return dict.fromkeys(diffs, 0.0)
+    pooled = bool(units) and stats.sd_around_zero(units) ** 2 >= POOLED_MIN
     out = {}
     for s, d in diffs.items():
-        if len(d) < MIN_DIFFS:
+        if len(d) < MIN_DIFFS or not pooled and not (own_diffs and len(d) >= own_diffs):
             out[s] = 0.0
             continue
         var = stats.sd_around_zero([r for r, _, _ in d]) ** 2
