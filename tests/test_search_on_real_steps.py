@@ -489,3 +489,33 @@ def test_host_modes_reads_a_floor_its_slow_share_and_how_slow_steps_follow_each_
     path.write_text(json.dumps({"runs": [{"seed": 7, "miss_trace": {"proj.fwd": rows + [["halving", 99, 0.3, 0.0]]}}]}))
     ((run, slot, traced),) = hm.runs_of(path, ["proj.fwd"])
     assert (run, slot, traced["slow_share"], traced["near_far_mixed"]) == ("seed 7", "proj.fwd", 0.5, [0.5, 0.5, 1.0])
+
+
+def test_trial_reads_reads_each_trial_four_ways_against_the_incumbents_nearest_and_splits_by_the_rest():
+    """``trial_reads.slot_reads`` on rows laid out by hand: the incumbent (0.2 ms put in) at 1.0 ms in short-rest
+    steps and 2.0 in long-rest ones, a true option (nothing put in) 0.2 faster in the short-rest steps only, and an
+    equal option (the incumbent's delay) that differs by noise; trials of fewer than 2 steps are left out."""
+    spec = importlib.util.spec_from_file_location("trial_reads", PATH.parent / "trial_reads.py")
+    tr = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tr)
+    rest = [20.0, 20.0, 28.0, 28.0]
+    inc = [["bracket", 10 * i, 1.5, 0.2, [0.2], [1.0, 1.0, 2.0, 2.0], rest] for i in range(4)]
+    true = [["halving", 10 * i + 5, 1.4, 0.0, [0.0], [0.8, 0.8, 2.0, 2.0], rest] for i in range(2)]
+    equal = [
+        ["halving", 7, 1.55, 0.2, [0.2], [1.0, 1.1, 2.0, 2.2], rest],
+        ["recheck", 17, 1.5, 0.2, [0.2], [1.0, 1.0, 2.0, 2.0], rest],
+    ]
+    got = tr.slot_reads(inc + true + equal + [["screen", 30, 0.8, 0.0, [0.0], [0.8], [20.0]]])
+    assert got["put_in_ms"] == -0.2 and got["rest_cut_ms"] == 24.0
+    t = {k: [round(x, 6) for x in v] for k, v in got["diffs"]["true"].items()}
+    # median 1.4 - 1.5; fastest and 25th percentile 0.8 - 1.0; capped at 1.05 x the 10th percentile (1.0)
+    assert t == {"median": [-0.1] * 2, "fastest": [-0.2] * 2, "q25": [-0.2] * 2, "capped mean": [-0.1] * 2}
+    assert [round(x, 6) for x in got["diffs"]["equal"]["median"]] == [0.05, 0.0]
+    split = {k: statistics.median(v) for k, v in got["split"].items()}
+    assert split == {
+        ("incumbent", "short"): 1.0,
+        ("incumbent", "long"): 2.0,
+        ("true", "short"): 0.8,
+        ("true", "long"): 2.0,
+    }
+    assert tr.slot_reads(inc) is None  # no trial with less put in
