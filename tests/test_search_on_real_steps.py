@@ -494,7 +494,8 @@ def test_host_modes_reads_a_floor_its_slow_share_and_how_slow_steps_follow_each_
 def test_trial_reads_reads_each_trial_four_ways_against_the_incumbents_nearest_and_splits_by_the_rest():
     """``trial_reads.slot_reads`` on rows laid out by hand: the incumbent (0.2 ms put in) at 1.0 ms in short-rest
     steps and 2.0 in long-rest ones, a true option (nothing put in) 0.2 faster in the short-rest steps only, and an
-    equal option (the incumbent's delay) that differs by noise; trials of fewer than 2 steps are left out."""
+    equal option (the incumbent's delay) that differs by noise; trials of fewer than 2 steps and the final decision's
+    blocks are left out."""
     spec = importlib.util.spec_from_file_location("trial_reads", PATH.parent / "trial_reads.py")
     tr = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tr)
@@ -505,7 +506,8 @@ def test_trial_reads_reads_each_trial_four_ways_against_the_incumbents_nearest_a
         ["halving", 7, 1.55, 0.2, [0.2], [1.0, 1.1, 2.0, 2.2], rest],
         ["recheck", 17, 1.5, 0.2, [0.2], [1.0, 1.0, 2.0, 2.0], rest],
     ]
-    got = tr.slot_reads(inc + true + equal + [["screen", 30, 0.8, 0.0, [0.0], [0.8], [20.0]]])
+    final = [["confirm", 40, 3.0, 0.2, [0.2], [3.0, 3.0, 3.0, 3.0], rest]]  # a decision block: not an option's trial
+    got = tr.slot_reads(inc + true + equal + final + [["screen", 30, 0.8, 0.0, [0.0], [0.8], [20.0]]])
     assert got["put_in_ms"] == -0.2 and got["rest_cut_ms"] == 24.0
     t = {k: [round(x, 6) for x in v] for k, v in got["diffs"]["true"].items()}
     # median 1.4 - 1.5; fastest and 25th percentile 0.8 - 1.0; capped at 1.05 x the 10th percentile (1.0)

@@ -1,14 +1,15 @@
 """What did a search's own trials read of a gain it left, and would another per-trial statistic have read it? (issue 46)
 
-For each gain seed whose JSON keeps a ``miss_trace`` (``search_on_real_steps.py``; rows keep each step's slot and
-rest ms since 588e360), per traced forward slot: each trial of a config with less delay put in than the incumbent's
-(the gain left: "true") and each trial of another config with the incumbent's delay ("equal": the noise), against
-the incumbent's own trial nearest in position, read four ways: the median of its steps (what the racing scores), its
-fastest step, its 25th percentile, and the mean of its steps capped at 1.05x the 10th percentile of the incumbent's
-steps (``floor_cap``'s count). Printed: the true trials' mean +- se against the delay put in, and the equal trials'
-sd. Then the steps split by the rest of the step (step minus every slot) at the midpoint of its 10th and 90th
-percentiles: the true config's and the incumbent's median slot ms in short-rest and in long-rest steps. A split on
-the rest conditions on something the config may move, so it describes the trials; it does not prove a cause.
+For each gain seed whose JSON keeps a ``miss_trace`` (``search_on_real_steps.py``; rows keep each step's slot and rest
+ms since 588e360), per traced forward slot: each trial of a config with less delay put in than the incumbent's (the gain
+left: "true") and each trial of another config with the incumbent's delay ("equal": the noise), both before the final
+rounds (selection, decision), against the incumbent's own trial nearest in position, read four ways: the median of its
+steps (what the racing scores), its fastest step, its 25th percentile, and the mean of its steps capped at 1.05x the
+10th percentile of the incumbent's steps (``floor_cap``'s count). Printed: the true trials' mean +- se against the delay
+put in, and the equal trials' sd. Then the steps split by the rest of the step (step minus every slot) at the midpoint
+of its 10th and 90th percentiles: the true config's and the incumbent's median slot ms in short-rest and in long-rest
+steps. A split on the rest conditions on something the config may move, so it describes the trials; it does not prove a
+cause.
 
     python benchmarks/studies/trial_reads.py RUN_DIR/search_on_real_steps.json ...
 """
@@ -21,6 +22,7 @@ import statistics
 from pathlib import Path
 
 CAP = 1.05  # floor_cap=0.05's top over the 10th-percentile step
+FINAL = ("select", "confirm")  # the final rounds' blocks of whole configs, not an option's trials
 
 
 def reads(steps: list[float], top: float) -> dict[str, float]:
@@ -48,7 +50,7 @@ def slot_reads(rows: list[list]) -> dict | None:
     rests = sorted(v for x in rows if len(x) > 6 for v in x[6])
     cut = (rests[len(rests) // 10] + rests[-(len(rests) // 10) - 1]) / 2
     for x in rows:
-        if len(x) <= 6 or len(x[5]) < 2:
+        if len(x) <= 6 or len(x[5]) < 2 or x[0] in FINAL:
             continue
         kind = "incumbent" if x in inc else "true" if x[3] < ref_put - 1e-9 else "equal" if x[3] == ref_put else ""
         if kind in ("true", "incumbent"):
@@ -85,10 +87,10 @@ def main() -> None:
                 for half in ("short", "long"):
                     mine, inc = got["split"].get(("true", half), []), got["split"].get(("incumbent", half), [])
                     if mine and inc:
+                        a, b = statistics.median(mine), statistics.median(inc)
                         print(
                             f"{half}-rest steps (rest {'<' if half == 'short' else '>='} {got['rest_cut_ms']:.1f} "
-                            f"ms): true {statistics.median(mine):.3f} ms ({len(mine)} steps), incumbent "
-                            f"{statistics.median(inc):.3f} ({len(inc)}), {statistics.median(mine) - statistics.median(inc):+.3f}"
+                            f"ms): true {a:.3f} ms ({len(mine)} steps), incumbent {b:.3f} ({len(inc)}), {a - b:+.3f}"
                         )
 
 
