@@ -309,7 +309,10 @@ class FinalDecision:
                 # sequential: a look before the last one is at paired.INTERIM_LEVEL (at 95% after each quadruple, an
                 # equal config wins 8-9% of decisions); the last look, at max_quads or the budget, at ``level``
                 last = quads >= o.max_quads or not self._fits(bs, rest_of_quad)
-                slot_iv = paired.look(paired.quad_gains(slot_blocks[: 4 * quads], order), o.level, last, o.clip_sds)
+                if not (last or paired.looks_after(quads)):
+                    continue
+                final = last and quads <= paired.DENSE_LOOKS  # past them every look is at the interim level
+                slot_iv = paired.look(paired.quad_gains(slot_blocks[: 4 * quads], order), o.level, final, o.clip_sds)
                 step_iv = paired.look(paired.quad_gains(step_blocks[: 4 * quads], order), o.level, True, o.clip_sds)
                 ref_ms = statistics.median(v for v, w in zip(step_blocks, order) if w == paired.A)
                 # the layers faster but the whole step slower: the quadruples the budget has left settle which, all of

@@ -31,6 +31,10 @@ MIN_PAIRS = 6  # the fewest pairs (quadruples) whose signed-rank test can give a
 # on normal noise and on the block values of MoE steps on one H100, benchmarks/results/2026-11-25_h100x1/); with the
 # interim looks at 99% and the last at 95%, 3.4-3.7%.
 INTERIM_LEVEL = 0.99
+# ... and past quadruple ``DENSE_LOOKS`` it looks only after every ``SPARSE_EVERY``-th (and at its last): a decision run
+# on to 64 quadruples with a look after each named an equal config faster on decision_sim hostmax (equal seed 83, at
+# its 50th), where 24 looks had not
+DENSE_LOOKS, SPARSE_EVERY = 24, 8
 
 
 def abba(quads: int) -> list[int]:
@@ -151,6 +155,11 @@ def gain_interval(gains: Sequence[float], level: float = 0.95) -> Interval:
     if k == 0:
         return Interval(est, -math.inf, math.inf, n, level)
     return Interval(est, walsh[k - 1], walsh[len(walsh) - k], n, level)
+
+
+def looks_after(quads: int) -> bool:
+    """Whether a sequential decision looks after its ``quads``-th quadruple (its last one aside, where it always does)."""
+    return quads <= DENSE_LOOKS or quads % SPARSE_EVERY == 0
 
 
 def look(gains: Sequence[float], level: float, last: bool, sds: float) -> Interval:

@@ -105,7 +105,10 @@ class SearchOptions:
     block_steps: int = 3  # measured steps per block of the final decision (block value: their median); fewer
     # when the decision would take more than half the budget
     min_quads: int = paired.MIN_PAIRS  # ABBA quadruples before the first look (the fewest for a 95% interval)
-    max_quads: int = 24
+    # ... and at most this many, while the budget lasts: on decision_sim hostmax (forwards that wait on the host in
+    # stretches) 24 left true 0.7-1.5% gains within the noise with 83 s of 180 unspent (seeds 1, 43, 167, 176); 30-48
+    # decided them
+    max_quads: int = 64
     # The selection round measures each contender once (one block): ~1% of a step apart is within its noise, and on
     # H200 a preset 1.1-1.5% behind the best config won it in 3 of 12 layer-level tunings. The contenders ahead of the
     # reference (the ``runoff`` best) run again until each has ``select_passes`` blocks, budget permitting.
