@@ -117,7 +117,7 @@ def test_the_final_decision_looks_before_its_last_quadruple_only_at_the_interim_
     space = build_space(decision_sim.TOPO, decision_sim.CTX, [UbConfig()])
     ref = TuningConfig(UbConfig(), frozenset(), "reference")
     cand = apply(ref, next(o for o in space["fc2_fprop"] if apply(ref, o, decision_sim.TOPO) != ref), decision_sim.TOPO)
-    for most, last_level in ((24, 0.95), (SearchOptions.max_quads, paired.INTERIM_LEVEL)):
+    for most, last_level in ((paired.DENSE_LOOKS, 0.95), (SearchOptions.max_quads, paired.INTERIM_LEVEL)):
         named, levels = 0, set()
         for seed in range(60):
             run = decision_sim.SimulatedRun(decision_sim.World({}), "hostbound", random.Random(seed))
@@ -167,12 +167,12 @@ def test_a_gain_the_noise_hides_for_24_quadruples_is_decided_with_the_budget_lef
         iv = d["slot_interval"]
         return "faster" if iv.faster else "slower" if iv.slower else "undecided", d["quadruples"]
 
-    for most, taken in ((24, 10), (SearchOptions.max_quads, 22)):
+    for most, taken in ((paired.DENSE_LOOKS, 10), (SearchOptions.max_quads, 22)):
         got = [decide(seed, 0.25, most) for seed in range(24)]
         assert sum(v == "faster" for v, _ in got) == taken and not any(v == "slower" for v, _ in got)
         equal = [decide(seed, 0.0, most) for seed in range(24)]
         assert all(v == "undecided" for v, _ in equal)
-    assert max(q for _, q in equal) == 64 and min(q for _, q in equal) < 24
+    assert max(q for _, q in equal) == SearchOptions.max_quads and min(q for _, q in equal) < paired.DENSE_LOOKS
 
 
 def test_the_sparse_looks_past_the_dense_ones():

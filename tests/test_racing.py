@@ -374,7 +374,7 @@ def test_counting_a_host_bound_forward_at_its_floor_takes_the_gain_hostmax_left(
     """decision_sim hostmax seed 1: a 1.1 ms proj_fprop gain that the slot shows only in its fast steps. With at most
     24 quadruples (the default until the thirty-ninth session) the final decision kept the reference (0%); with
     ``floor_cap`` 0.05 both the looks and the decision count proj.fwd's steps at its floor and take all of it in those
-    24. The default of 64 quadruples takes it too, in its 46th. The 200-seed tables: decision_sim README,
+    24. The default of 64 quadruples takes it too, in its 48th. The 200-seed tables: decision_sim README,
     thirty-seventh and thirty-ninth sections."""
     gain = sim.seed_gain(1)
     assert sim.run_once("hostmax", gain, sim.GAIN_SEED + 1, SearchOptions(max_quads=24)).realized == 0.0

@@ -271,8 +271,10 @@ class FinalDecision:
 
     def abba(self, ref: Contender, cand: Contender) -> dict:
         """ABBA quadruples of ``block_steps``-step blocks; from ``min_quads`` on, stop as soon as the slot-time interval
-        excludes zero (either way) or cannot hold a gain of ``rel_floor`` of the step any more, or at the budget; every
-        look but the last at ``paired.INTERIM_LEVEL``, the last at ``level``. Per quadruple the reference runs A1 then
+        excludes zero (either way) or cannot hold a gain of ``rel_floor`` of the step any more, or at ``max_quads`` or
+        the budget; a look after each quadruple up to ``paired.DENSE_LOOKS``, then after every ``paired.SPARSE_EVERY``-th
+        (:func:`paired.looks_after`), every look at ``paired.INTERIM_LEVEL`` but a last one by ``DENSE_LOOKS``, at
+        ``level``. Per quadruple the reference runs A1 then
         (after the candidate's two blocks) A2 and the next quadruple's A1 without a switch: each config has one block
         right after a switch and one after its own block, so effects of the position since a switch cancel too. Every
         block is a trial of its own: a trial ends with a device sync and host work (the GPU idles briefly), and a
@@ -307,7 +309,8 @@ class FinalDecision:
                 slot_blocks += self._quad_blocks(blocks[-4:], order[-4:], decided_on)
             if quads >= o.min_quads and error is None:
                 # sequential: a look before the last one is at paired.INTERIM_LEVEL (at 95% after each quadruple, an
-                # equal config wins 8-9% of decisions); the last look, at max_quads or the budget, at ``level``
+                # equal config wins 8-9% of decisions); the last look, at max_quads or the budget, at ``level`` if it
+                # comes by paired.DENSE_LOOKS
                 last = quads >= o.max_quads or not self._fits(bs, rest_of_quad)
                 if not (last or paired.looks_after(quads)):
                     continue

@@ -106,7 +106,7 @@ class SearchOptions:
     # when the decision would take more than half the budget
     min_quads: int = paired.MIN_PAIRS  # ABBA quadruples before the first look (the fewest for a 95% interval)
     # ... and at most this many, while the budget lasts: on decision_sim hostmax (forwards that wait on the host in
-    # stretches) 24 left true 0.7-1.5% gains within the noise with 83 s of 180 unspent (seeds 1, 43, 167, 176); 30-48
+    # stretches) 24 left true 0.7-1.5% gains within the noise with 83 s of 180 unspent (seeds 1, 43, 167, 176); 32-48
     # decided them
     max_quads: int = 64
     # The selection round measures each contender once (one block): ~1% of a step apart is within its noise, and on
