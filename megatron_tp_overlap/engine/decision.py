@@ -272,9 +272,9 @@ class FinalDecision:
     def abba(self, ref: Contender, cand: Contender) -> dict:
         """ABBA quadruples of ``block_steps``-step blocks; from ``min_quads`` on, stop as soon as the slot-time interval
         excludes zero (either way) or cannot hold a gain of ``rel_floor`` of the step any more, or at ``max_quads`` or
-        the budget; a look after each quadruple up to ``paired.DENSE_LOOKS``, then after every ``paired.SPARSE_EVERY``-th
-        (:func:`paired.looks_after`), every look at ``paired.INTERIM_LEVEL`` but a last one by ``DENSE_LOOKS``, at
-        ``level``. Per quadruple the reference runs A1 then
+        the budget; a look after each quadruple up to ``paired.DENSE_LOOKS``, then after every
+        ``paired.SPARSE_EVERY``-th (:func:`paired.looks_after`), every look at ``paired.INTERIM_LEVEL`` but a last one
+        by ``DENSE_LOOKS``, at ``level``. Per quadruple the reference runs A1 then
         (after the candidate's two blocks) A2 and the next quadruple's A1 without a switch: each config has one block
         right after a switch and one after its own block, so effects of the position since a switch cancel too. Every
         block is a trial of its own: a trial ends with a device sync and host work (the GPU idles briefly), and a
