@@ -216,7 +216,7 @@ def test_when_every_option_fails_the_early_stop_line_says_so_instead_of_every_op
     lines: list[str] = []
     tuner.log = lambda *a: lines.append(" ".join(map(str, a)))
     res = tuner.tune()
-    stop = [x for x in lines if "search stops early" in x]
+    stop = [x for x in lines if "search stops early" in x]  # one pass: it kept the reference
     assert res.search.best_name == "reference" and len(stop) == 1, lines
     failed = sum(1 for t in res.search.trials if t.error and t.phase in ("screen", "bracket", "halving", "recheck"))
     assert failed > 0 and stop[0].endswith(f"; {failed} trials of options failed and measured nothing"), stop

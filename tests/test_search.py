@@ -399,9 +399,10 @@ def test_slot_exhaustive_finds_the_optimum_and_costs_more_than_coordinate():
     ex = Searcher(topo, space, Synthetic(topo), CTX, big).run(ref, base)
     want = best_possible(topo, space)
     assert {g: cost(g, ex.best) for g in space} == pytest.approx(want, abs=1e-9)
-    co = Searcher(topo, space, Synthetic(topo), CTX, SearchOptions(max_steps=100_000, max_seconds=1e9)).run(ref, base)
-    # the cheap search is the point: slots share screening trials; what coordinate spends beyond (racing rounds) is
-    # the budget's rest, here until every option settled
+    one = SearchOptions(max_steps=100_000, max_seconds=1e9, passes=1)
+    co = Searcher(topo, space, Synthetic(topo), CTX, one).run(ref, base)
+    # the cheap search is the point: slots share screening trials; what coordinate spends beyond (racing rounds, a
+    # second pass) is the budget's rest, here until every option settled
     assert sum(t.phase == "screen" for t in co.trials) < sum(t.phase == "exhaustive" for t in ex.trials) / 2
     assert all(c["combinations"] >= 1 for c in ex.choices.values())
 
@@ -611,7 +612,7 @@ def test_contenders_ahead_of_the_reference_run_a_runoff_when_the_budget_allows(o
     ref = sim.TuningConfig(sim.UbConfig(), frozenset(), "reference")
     preset = sim.preset_of(world, space, ref)
     assert preset is not None and world.step_ms(sim.best_config(world, space, ref)) < world.step_ms(preset)
-    o = SearchOptions(**options)
+    o = SearchOptions(passes=1, **options)  # one final decision's selection round
     s = Searcher(sim.TOPO, space, sim.SimulatedRun(world, "iid", random.Random(3)), sim.CTX, o)
     s.run(ref, {"preset": preset})
     blocks = [t.tested["*"] for t in s.trials if t.phase == "select"]

@@ -389,6 +389,7 @@ def one_search(real: RealSteps, seed: int, gain: float, preset: bool = False, va
         "choices_accepted": sorted(g for g, c in res.choices.items() if c.get("accepted")),
         "decision_quadruples": d.get("quadruples"),
         "decision_level": d.get("level"),  # of the look that ended the ABBA
+        "later_passes": {k: v.get("chosen") for k, v in d.items() if k.endswith("_pass")},  # what each took (passes.py)
         "decision_half_width_pct": d.get("noise_pct_of_step"),
         "decision_gain_ms": d.get("slot_interval", {}).get("gain_ms"),  # measured in the overlapped layers
         "decision_step_gain_ms": d.get("step_interval", {}).get("gain_ms"),  # measured on the whole step

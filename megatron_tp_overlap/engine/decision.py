@@ -50,7 +50,7 @@ class FinalDecision:
             v = TuningConfig(tuned.ub, tuned.disabled | off, f"{tuned.label or 'autotuned'}, {name} off")
             if off and not off <= tuned.disabled and all(v != c.config for c in cont) and is_valid(v, self.ctx):
                 cont.append(Contender(v.label, v))
-        ref = next((c for c in cont if c.name == "reference"), cont[0])
+        ref = next((c for c in cont if c.name == self.reference_name), cont[0])
         others = [c for c in cont if c is not ref]
         # 1. selection: every contender once, the reference bracketing them (drift interpolated away). Every block
         # follows a switch, as in the ABBA: a first reference block continuing the search's last bracket (the same
@@ -87,12 +87,12 @@ class FinalDecision:
             raise TrialFailed("the reference config could not be measured (every trial failed)")
         rejected: list[str] = []
         eligible = [c for c in others if c.name in sel and c.name not in self.report_only]
-        winner, reason, decision = ref, "no config was faster than the reference in the selection round", {}
+        winner, reason, decision = ref, f"no config was faster than the {ref.name} in the selection round", {}
         undecided: TuningConfig | None = None
         if not sel and self.budget_hit:  # nothing to compare: say why, not "no config was faster"
             reason = (
                 f"the budget ({self.opt.budget_text()}) ran out before any candidate was measured against the "
-                f"reference ({self.steps_run} steps, {self.elapsed_s:.1f} s run): keeping the reference "
+                f"{ref.name} ({self.steps_run} steps, {self.elapsed_s:.1f} s run): keeping the {ref.name} "
                 f"({self._raise_hint()})"
             )
         while eligible:
@@ -117,7 +117,7 @@ class FinalDecision:
             if slot.faster and not step.slower and slot.high >= worth:
                 winner = best
                 reason = (
-                    f"{best.name} beats the reference by {slot.describe(ref=ref_ms)} per step in the overlapped "
+                    f"{best.name} beats the {ref.name} by {slot.describe(ref=ref_ms)} per step in the overlapped "
                     f"layers; whole step {step.describe(ref=ref_ms)}"
                 ) + (f" (measured slower after {decision['split_at']} quadruples)" if decision["split_at"] else "")
             elif slot.faster and slot.high < worth:
@@ -125,25 +125,25 @@ class FinalDecision:
                 # winners in 200 equal worlds, 0.04-0.05 ms of a 100 ms step (all 6 quadruples ahead by chance)
                 reason = (
                     f"{best.name} is faster in the overlapped layers ({slot.describe(ref=ref_ms)}) but by less than a "
-                    f"gain worth a switch ({100 * o.rel_floor:g}% of a step): keeping the reference"
+                    f"gain worth a switch ({100 * o.rel_floor:g}% of a step): keeping the {ref.name}"
                 )
             elif slot.faster:
                 reason = (
                     f"{best.name} is faster in the overlapped layers ({slot.describe(ref=ref_ms)}) but its whole step "
                     f"is slower ({step.describe(ref=ref_ms)}; first seen after {decision['split_at']} quadruples, "
-                    f"{decision['quadruples']} run): keeping the reference"
+                    f"{decision['quadruples']} run): keeping the {ref.name}"
                 )
             elif decision["error"]:
-                reason = f"{best.name} failed during the decision ({decision['error']}): keeping the reference"
+                reason = f"{best.name} failed during the decision ({decision['error']}): keeping the {ref.name}"
             elif decision["quadruples"] < self.opt.min_quads:
                 reason = (
                     f"best was {best.name}, but the budget left {decision['quadruples']} ABBA quadruples of the "
-                    f"{self.opt.min_quads} a decision needs: keeping the reference ({self._raise_hint()})"
+                    f"{self.opt.min_quads} a decision needs: keeping the {ref.name} ({self._raise_hint()})"
                 )
             else:
                 reason = (
-                    f"best was {best.name}, {slot.describe(ref=ref_ms)} per step vs the reference: within the noise "
-                    "(not faster beyond the interval), keeping the reference"
+                    f"best was {best.name}, {slot.describe(ref=ref_ms)} per step vs the {ref.name}: within the noise "
+                    f"(not faster beyond the interval), keeping the {ref.name}"
                 ) + noise_hint(slot.half_width, decision["quadruples"], ref_ms, decision["seconds"])
                 if slot.estimate > 0 and not step.slower:  # ahead, unresolved: real iterations can settle it
                     undecided = TuningConfig(best.config.ub, best.config.disabled, best.name)

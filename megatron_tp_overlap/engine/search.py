@@ -19,7 +19,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable
 
-from megatron_tp_overlap.engine import exhaustive
+from megatron_tp_overlap.engine import exhaustive, passes
 from megatron_tp_overlap.engine.budget import Budget
 from megatron_tp_overlap.engine.decision import FinalDecision
 from megatron_tp_overlap.engine.looks import Looks
@@ -253,7 +253,7 @@ class Searcher(Racing, Looks, FinalDecision, Budget):
     def coordinate(self, reference: TuningConfig, baselines: dict[str, TuningConfig]) -> SearchResult:
         self._slot_samples = {}
         o = self.opt
-        contenders = {"reference": reference, **baselines}
+        contenders = {self.reference_name: reference, **baselines}
         incumbent = reference
         options = [
             opt for g, opts in self.space.items() for opt in opts if apply(incumbent, opt, self.topo) != incumbent
@@ -335,7 +335,7 @@ class Searcher(Racing, Looks, FinalDecision, Budget):
                 )
             elif g not in taken:
                 choices[g].update(accepted=False, note="every choice passes the numerics check alone, not together")
-        combined = TuningConfig(combined.ub, combined.disabled, "autotuned")
+        combined = TuningConfig(combined.ub, combined.disabled, self.tuned_name)
         return self._confirm(combined, contenders, choices)
 
     def _choose(
@@ -386,6 +386,8 @@ class Searcher(Racing, Looks, FinalDecision, Budget):
 
     # -- final decision: a selection round, then the reference against the selected config in ABBA blocks ----
     report_only: frozenset[str] = frozenset()  # contenders measured for the report but never chosen
+    # the final decision's two sides, and what the log calls the search (later passes name theirs: engine/passes.py)
+    reference_name, tuned_name, search_name = "reference", "autotuned", "search"
     switch_sets: dict[str, frozenset[str]] = {}  # noqa: RUF012 - named GEMM sets a user can switch off as a whole
 
     def run(self, reference: TuningConfig, baselines: dict[str, TuningConfig]) -> SearchResult:
@@ -393,4 +395,4 @@ class Searcher(Racing, Looks, FinalDecision, Budget):
             return exhaustive.exhaustive(self, reference, baselines)
         if self.opt.strategy == "slot_exhaustive":
             return exhaustive.slot_exhaustive(self, reference, baselines)
-        return self.coordinate(reference, baselines)
+        return passes.search_on(self, self.coordinate(reference, baselines))

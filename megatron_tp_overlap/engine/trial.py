@@ -109,6 +109,10 @@ class SearchOptions:
     # stretches) 24 left true 0.7-1.5% gains within the noise with 83 s of 180 unspent (seeds 1, 43, 167, 176); 32-48
     # decided them
     max_quads: int = 64
+    # searches at most this many passes, each from the config the last one took, while the budget holds one
+    # (engine/passes.py): a search that takes a config often ends with most of the budget unspent, and decision_sim
+    # hostmax seed 143 had ruled out a true 1.28 ms proj_fprop on two unlucky racing trials (at 76 s of 180). 1: one
+    passes: int = 2
     # The selection round measures each contender once (one block): ~1% of a step apart is within its noise, and on
     # H200 a preset 1.1-1.5% behind the best config won it in 3 of 12 layer-level tunings. The contenders ahead of the
     # reference (the ``runoff`` best) run again until each has ``select_passes`` blocks, budget permitting.
@@ -203,6 +207,8 @@ class SearchOptions:
         ):
             if getattr(self, k) < 1:
                 raise ValueError(f"{k} = {getattr(self, k)}: must be >= 1")
+        if not 1 <= self.passes <= 5:
+            raise ValueError(f"passes = {self.passes}: must be in [1, 5]")
         if self.late_z < 0:
             raise ValueError(f"late_z = {self.late_z}: must be >= 0")
         if self.max_seconds <= 0:
