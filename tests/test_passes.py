@@ -7,7 +7,7 @@ import pytest
 from megatron_tp_overlap.engine import passes
 from megatron_tp_overlap.engine.search import Searcher, SearchOptions
 from megatron_tp_overlap.engine.space import TuningConfig
-from megatron_tp_overlap.engine.trial import Contender, SearchResult, TrialFailed
+from megatron_tp_overlap.engine.trial import MAX_PASSES, Contender, SearchResult, TrialFailed
 from megatron_tp_overlap.tools.research import decision_sim as sim
 from megatron_tp_overlap.ub.config import GemmOverlapConfig, UbConfig
 
@@ -69,7 +69,7 @@ class Passes:
     def __init__(self, later: list, fits: bool = True, n: int = 2):
         self.opt, self.later, self.fits, self.calls = SearchOptions(passes=n), list(later), fits, []
         self.space, self.topo = {}, type("Topo", (), {"slots": staticmethod(dict)})()
-        self.elapsed_s, self.lines = 70.0, []
+        self.elapsed_s, self.steps_run, self.budget_hit, self.lines = 70.0, 700, False, []
         self.log = self.lines.append
 
     def _fits(self, steps, reserve) -> bool:
@@ -121,6 +121,7 @@ def test_a_pass_that_fails_keeps_the_config_taken_and_says_so():
     assert out.best_name == "autotuned" and out.reason.endswith(
         "; a second pass from it failed (the reference config could not be measured (every trial failed))"
     )
+    assert (out.steps_run, out.elapsed_s) == (700, 70.0)  # what the failed pass spent too
     assert (s.reference_name, s.tuned_name, s.search_name) == ("reference", "autotuned", "search")
 
 
@@ -162,6 +163,7 @@ def test_the_merged_result_keeps_the_first_decision_and_adds_each_pass_beside_it
     assert (kept.best, kept.choices) == (first.best, first.choices)
 
 
-def test_passes_is_validated():
+def test_passes_is_validated_and_each_has_a_name():
     with pytest.raises(ValueError, match=r"passes = 0: must be in \[1, 5\]"):
         SearchOptions(passes=0)
+    assert [passes.pass_name(n) for n in range(1, MAX_PASSES + 1)][-1] == "fifth pass"

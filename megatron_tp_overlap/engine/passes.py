@@ -11,16 +11,16 @@ reference, another would repeat it, and in a world of equal configs double the c
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 from megatron_tp_overlap.engine.space import TuningConfig
-from megatron_tp_overlap.engine.trial import SearchResult, TrialFailed, Work
+from megatron_tp_overlap.engine.trial import MAX_PASSES, SearchResult, TrialFailed, Work
 
 if TYPE_CHECKING:
     from megatron_tp_overlap.engine.search import Searcher
 
-ORDINALS = ("first", "second", "third", "fourth", "fifth")
-MAX_PASSES = len(ORDINALS)
+ORDINALS = ("first", "second", "third", "fourth", "fifth")[:MAX_PASSES]
 
 
 def pass_name(n: int) -> str:
@@ -58,7 +58,9 @@ def search_on(searcher: Searcher, result: SearchResult) -> SearchResult:
         try:
             later = searcher.coordinate(incumbent, {})
         except TrialFailed as e:  # the config taken could not be measured again: it stays
-            result.reason += f"; a {ORDINALS[n - 1]} pass from it failed ({e})"
+            reason = f"{result.reason}; a {ORDINALS[n - 1]} pass from it failed ({e})"
+            spent = {k: getattr(searcher, k) for k in ("steps_run", "elapsed_s", "budget_hit")}
+            result = dataclasses.replace(result, reason=reason, **spent)
             break
         finally:
             for k in ("reference_name", "tuned_name", "search_name"):

@@ -14,6 +14,8 @@ from megatron_tp_overlap.engine import paired
 from megatron_tp_overlap.engine.options import STRATEGIES, TuneOptions
 from megatron_tp_overlap.engine.space import TuningConfig
 
+MAX_PASSES = 5  # SearchOptions.passes at most (engine/passes.py names each)
+
 
 @dataclass
 class Measurement:
@@ -207,8 +209,8 @@ class SearchOptions:
         ):
             if getattr(self, k) < 1:
                 raise ValueError(f"{k} = {getattr(self, k)}: must be >= 1")
-        if not 1 <= self.passes <= 5:
-            raise ValueError(f"passes = {self.passes}: must be in [1, 5]")
+        if not 1 <= self.passes <= MAX_PASSES:
+            raise ValueError(f"passes = {self.passes}: must be in [1, {MAX_PASSES}]")
         if self.late_z < 0:
             raise ValueError(f"late_z = {self.late_z}: must be >= 0")
         if self.max_seconds <= 0:
