@@ -158,6 +158,8 @@ def test_the_merged_result_keeps_the_first_decision_and_adds_each_pass_beside_it
     assert out.search_end == "stops early; second pass: budget" and out.noise_ms == first.noise_ms
     assert out.coverage == {"proj.fwd": {"screened": 20, "second_pass": {"screened": 19}}}
     assert [c.name for c in out.contenders] == ["autotuned", "second pass"]
+    variant = passes.merged(first, result("second pass, ag off", "d"), 2)  # a switch set's variant won
+    assert (variant.best_name, variant.best) == ("second pass, ag off", result("second pass, ag off", "d").best)
     # a pass that kept its reference changes no choice and no config
     kept = passes.merged(first, result("first pass", "c", choices=later.choices), 2)
     assert (kept.best, kept.choices) == (first.best, first.choices)

@@ -75,7 +75,7 @@ def search_on(searcher: Searcher, result: SearchResult) -> SearchResult:
 def merged(first: SearchResult, later: SearchResult, n: int) -> SearchResult:
     """``first`` with the ``n``-th pass ``later`` after it: its config where it took one, its choices and decision
     beside the first's (the report's per-GEMM choices name their pass), every trial and the whole budget spent."""
-    took = later.best_name == pass_name(n)
+    took = later.best_name != pass_name(n - 1)  # its own config, or a variant of it (e.g. "second pass, ag off")
     names = {c.name for c in first.contenders}
     key = f"{ORDINALS[n - 1]}_pass"
     return SearchResult(
