@@ -278,16 +278,16 @@ class Racing(rest_scaling.RestScaling):
             )
         elif race.unsettled:
             race.ended = (
-                f"[tp-overlap-autotune] {self.search_name} stops early at {self.elapsed_s:.1f} s of {o.max_seconds:g} s: the "
-                f"{len(race.unsettled)} options left cannot beat the incumbent by a gain worth a switch (together "
-                f"at most {race.upside_ms:.3f} ms per step, under {100 * o.rel_floor:g}% of a step = "
-                f"{worth:.3f} ms)"
+                f"[tp-overlap-autotune] {self.search_name} stops early at {self.elapsed_s:.1f} s of "
+                f"{o.max_seconds:g} s: the {len(race.unsettled)} options left cannot beat the incumbent by a gain "
+                f"worth a switch (together at most {race.upside_ms:.3f} ms per step, under {100 * o.rel_floor:g}% of "
+                f"a step = {worth:.3f} ms)"
             )
         else:
             race.ended = (
-                f"[tp-overlap-autotune] {self.search_name} stops early at {self.elapsed_s:.1f} s of {o.max_seconds:g} s: every "
-                f"option is settled (none left can beat the incumbent by a gain worth a switch) after {race.rounds} "
-                "rounds of re-measurement"
+                f"[tp-overlap-autotune] {self.search_name} stops early at {self.elapsed_s:.1f} s of "
+                f"{o.max_seconds:g} s: every option is settled (none left can beat the incumbent by a gain worth a "
+                f"switch) after {race.rounds} rounds of re-measurement"
             )
         failed = sum(1 for t in self.trials if t.error and t.phase in ("screen", "bracket", "halving", "recheck"))
         if failed and " stops early at " in race.ended:
