@@ -382,10 +382,10 @@ def test_counting_a_host_bound_forward_at_its_floor_takes_the_gain_hostmax_left(
     """decision_sim hostmax seed 1: a 1.1 ms proj_fprop gain that the slot shows only in its fast steps. With at most
     24 quadruples (the default until the thirty-ninth session) the final decision kept the reference (0%); with
     ``floor_cap`` 0.05 both the looks and the decision count proj.fwd's steps at its floor and take all of it in those
-    24. The default of 64 quadruples takes it too, in its 48th. The 200-seed tables: decision_sim README,
-    thirty-seventh and thirty-ninth sections."""
+    24. 64 quadruples take it too, in the 48th, uncapped. The 200-seed tables: decision_sim README, thirty-seventh,
+    thirty-ninth and fortieth sections (``floor_cap`` 0.05 the default since the forty-first)."""
     gain = sim.seed_gain(1)
-    assert sim.run_once("hostmax", gain, sim.GAIN_SEED + 1, SearchOptions(max_quads=24)).realized == 0.0
+    assert sim.run_once("hostmax", gain, sim.GAIN_SEED + 1, SearchOptions(max_quads=24, floor_cap=0.0)).realized == 0.0
     capped = SearchOptions(floor_cap=0.05, max_quads=24)
     assert sim.run_once("hostmax", gain, sim.GAIN_SEED + 1, capped).realized == 1.0
     assert sim.run_once("hostmax", gain, sim.GAIN_SEED + 1).realized == 1.0
@@ -399,9 +399,9 @@ def test_a_host_bound_forwards_trial_level_is_counted_on_its_own_and_names_no_fa
     trials sit apart, but the test for a trial level pooled over all eight slots (a median) never passed, and
     looks with the steps' spread alone accepted equal qkv_fprop and proj_fprop options: false winners. Tested on its
     own (``trial_own_diffs``, 30 differences) the level is counted and nothing is accepted (200 seeds: false winners
-    1.5 -> 0.0%; decision_sim README, thirty-eighth section)."""
-    before = sim.run_once("hostmax", 0.0, sim.EQUAL_SEED + seed, SearchOptions(trial_own_diffs=0))
-    after = sim.run_once("hostmax", 0.0, sim.EQUAL_SEED + seed)
+    1.5 -> 0.0%; decision_sim README, thirty-eighth section). Uncapped: ``floor_cap`` alone keeps both from it."""
+    before = sim.run_once("hostmax", 0.0, sim.EQUAL_SEED + seed, SearchOptions(trial_own_diffs=0, floor_cap=0.0))
+    after = sim.run_once("hostmax", 0.0, sim.EQUAL_SEED + seed, SearchOptions(floor_cap=0.0))
     assert before.false_winner and {"qkv_fprop", "proj_fprop"} <= {
         g for g, c in before.choices.items() if c["accepted"]
     }

@@ -139,17 +139,19 @@ class RestScaling:
 
     def _floor_tops(self) -> dict[str, float]:
         """:func:`floor_tops` of the reference's steps so far ({} when ``floor_cap`` is 0), rounded so that the
-        trials' capped samples are computed again only when a floor moves."""
+        trials' capped samples are computed again only when a floor moves; found again only when a trial of the
+        reference's comes in (the trials are only ever appended)."""
         if self.opt.floor_cap <= 0:
             return {}
-        key = ("floor_tops", len(self.trials))
-        if key not in self._cache:
-            ref = self.trials[0].config if self.trials else None
-            per: dict[str, list[list[float]]] = {}
-            for t in self.trials:
+        done, per, tops = self._cache.get(("floor_tops",), (0, {}, {}))
+        if done < len(self.trials):
+            ref, new = self.trials[0].config, False
+            for t in self.trials[done:]:
                 if t.config == ref and not t.error:
                     for s, v in t.slot_samples.items():
                         per.setdefault(s, []).append(v)
-            tops = floor_tops(per, self.opt.floor_cap)
-            self._cache[key] = {s: float(f"{v:.3g}") for s, v in sorted(tops.items())}
-        return self._cache[key]
+                    new = True
+            if new:
+                tops = {s: float(f"{v:.3g}") for s, v in sorted(floor_tops(per, self.opt.floor_cap).items())}
+            self._cache[("floor_tops",)] = (len(self.trials), per, tops)
+        return tops

@@ -175,7 +175,7 @@ class SearchOptions:
     # stretches) counts each step at most its floor x (1 + floor_cap): in the racing and the looks the reference's
     # 10th-percentile step, in the final decision the slower of the two configs' fastest steps in each quadruple
     # (engine/floors.py); a GPU gain shows only at the floor (0: off; the step never capped)
-    floor_cap: float = 0.0
+    floor_cap: float = 0.05
     # the final decision's quadruple gains are clipped at their median +- this many robust standard deviations
     # (paired.clipped; 0: not clipped): a stretch of slow steps in a few blocks left real 1.2-2.3% gains undecided
     clip_sds: float = 4.0
