@@ -12,6 +12,8 @@ On real steps the floor was not found where most steps were slow (12-20% at it; 
 
 from __future__ import annotations
 
+import bisect
+
 FLOOR_NEAR, FLOOR_FAR, FAR_OVER = 0.3, 0.15, 1.3  # a floor: this share of steps within the cap, this share beyond
 FLOOR_MIXED, FLOOR_TRIALS = 0.15, 8  # ... and this share of the trials with steps at both, of this many at least
 
@@ -25,12 +27,15 @@ def floor_tops(trials: dict[str, list[list[float]]], cap: float) -> dict[str, fl
     it) shows a GPU gain only at its floor; a spread around a level (decision_sim hostfwd) has no such floor."""
     out = {}
     for s, ts in trials.items():
-        v, multi = [x for t in ts for x in t], [t for t in ts if len(t) >= 2]
-        if len(multi) < FLOOR_TRIALS or (q := sorted(v)[len(v) // 10]) <= 0:
+        multi = [t for t in ts if len(t) >= 2]
+        if len(multi) < FLOOR_TRIALS:
+            continue
+        v = sorted(x for t in ts for x in t)  # counted by bisection: the search finds the floors after each trial
+        if (q := v[len(v) // 10]) <= 0:
             continue
         top = q * (1 + cap)
-        near = sum(x <= top for x in v) / len(v)
-        far = sum(x > q * FAR_OVER for x in v) / len(v)
+        near = bisect.bisect_right(v, top) / len(v)
+        far = (len(v) - bisect.bisect_right(v, q * FAR_OVER)) / len(v)
         mixed = sum(min(t) <= top and max(t) > q * FAR_OVER for t in multi) / len(multi)
         if near >= FLOOR_NEAR and far >= FLOOR_FAR and mixed >= FLOOR_MIXED:
             out[s] = top

@@ -157,8 +157,7 @@ class Searcher(Racing, Looks, FinalDecision, Budget):
         cols = [samples.get(s) for s in sorted(slots)]
         if any(not c for c in cols):
             return None
-        n = min(len(c) for c in cols)  # type: ignore[arg-type]
-        return [sum(c[i] for c in cols) for i in range(n)]  # type: ignore[index]
+        return list(cols[0]) if len(cols) == 1 else [sum(x) for x in zip(*cols)]  # type: ignore[arg-type]
 
     def _pack(
         self, incumbent: TuningConfig, queue: list[Option], fill: list[Option] | None = None
