@@ -7,7 +7,7 @@ import pytest
 from megatron_tp_overlap.engine import passes
 from megatron_tp_overlap.engine.search import Searcher, SearchOptions
 from megatron_tp_overlap.engine.space import TuningConfig
-from megatron_tp_overlap.engine.trial import MAX_PASSES, Contender, SearchResult, TrialFailed
+from megatron_tp_overlap.engine.trial import MAX_PASSES, Contender, SearchResult, TrialFailed, Work
 from megatron_tp_overlap.tools.research import decision_sim as sim
 from megatron_tp_overlap.ub.config import GemmOverlapConfig, UbConfig
 
@@ -112,6 +112,22 @@ def test_passes_follow_a_pass_that_took_a_config_while_the_budget_holds_one():
         "first pass",
         "second pass",
     ]
+
+
+def test_a_pass_needs_room_for_its_screening_and_one_racing_round():
+    """Real steps, seed 26500: a second pass began at 163.9 s of 180 with room for its screening alone and re-measured
+    none of its 70 options. The budget must hold the incumbent, one screening of the fullest slot (here fc1.bwd's 7
+    options, each a trial with its warm-up), one racing round over them (7 trials and 2 brackets of 4 steps) and the
+    final decision's reserve."""
+    s, asked = Passes([]), []
+    s.space = {"fc1_fprop": [None] * 5, "fc1_dgrad": [None] * 4, "fc1_wgrad": [None] * 3}
+    s.topo = type(
+        "Topo", (), {"slots": staticmethod(lambda: {"fc1.fwd": ("fc1_fprop",), "fc1.bwd": ("fc1_dgrad", "fc1_wgrad")})}
+    )()
+    s._fits = lambda steps, reserve: asked.append((steps, reserve)) or True
+    assert passes.room_for_pass(s)
+    w = s.opt.warmup_steps
+    assert asked == [(2, Work(7 * (1 + w) + 9 * (4 + w), 7 + 9))]
 
 
 def test_a_pass_that_fails_keeps_the_config_taken_and_says_so():
