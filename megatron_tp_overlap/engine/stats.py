@@ -16,18 +16,10 @@ def robust_sd(xs: Sequence[float]) -> float:
     return 1.4826 * statistics.median(abs(x - mid) for x in xs)
 
 
-def median(xs: Sequence[float]) -> float:
-    """:func:`statistics.median`'s value (the mean of the middle two of an even count), without its generic checks:
-    the search takes hundreds of thousands of them."""
-    v = sorted(xs)
-    i = len(v) // 2
-    return v[i] if len(v) % 2 else (v[i - 1] + v[i]) / 2
-
-
 def sd_around_zero(xs: Sequence[float]) -> float:
     """1.4826 x the median absolute value: the standard deviation of normal samples that centre at zero (differences
     of repeats), which a few wild ones do not decide (0.0 without samples)."""
-    return 1.4826 * median([abs(x) for x in xs]) if xs else 0.0
+    return 1.4826 * statistics.median(abs(x) for x in xs) if xs else 0.0
 
 
 def pooled_sigma(groups: Sequence[Sequence[float]], positional: bool = False) -> float:
@@ -56,6 +48,5 @@ def positional_sd(pairs: Sequence[tuple[tuple[int, int], float, float, float]]) 
     rel: dict[tuple[int, int], list[float]] = {}
     for k, r, _, _ in pairs:
         rel.setdefault(k, []).append(r)
-    shared = {k: median(v) if len(v) >= 3 else 0.0 for k, v in rel.items()}
-    root2 = math.sqrt(2)
-    return 1.4826 * median([abs((d - shared[k] * level) / root2) for k, _, d, level in pairs]) if pairs else 0.0
+    shared = {k: statistics.median(v) if len(v) >= 3 else 0.0 for k, v in rel.items()}
+    return sd_around_zero([(d - shared[k] * level) / math.sqrt(2) for k, _, d, level in pairs])
