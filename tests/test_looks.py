@@ -280,3 +280,61 @@ def test_runners_up_in_turn_let_a_later_one_look_before_the_budget_ends():
     assert after.seconds <= SearchOptions().max_seconds and SearchOptions().runners_up_in_turn == 0
     with pytest.raises(ValueError, match="runners_up_in_turn = 2: must be 0 or 1"):
         SearchOptions(runners_up_in_turn=2)
+
+
+def test_a_leader_ahead_within_the_noise_goes_along_with_an_accepted_choice():
+    """decision_sim hostfwd seed 176: proj.fwd's trials sit 22% apart, and its true 0.153 ms ``proj_fprop`` read
+    0.114 ms in 40 looks against 0.180 ms needed (2.0 standard errors once the runners-up had looked); two backward
+    gains were accepted, so the config changed anyway. Without the ride-along the search took 75.9% of the gain
+    (tests/test_paired.py); with it (``ride_along_z=1.5``, the default) it takes all of it, within the budget, and the
+    choice says how far ahead it was."""
+    gain, world = sim.seed_gain(176), sim.GAIN_SEED + 176
+    out = sim.run_once("hostfwd", gain, world)
+    took = out.choices["proj_fprop"]
+    assert out.realized == 1.0 and took["accepted"] and took["rides_along"] and took["true_ms"] > 0.15, out
+    assert (
+        took["note"] == "ahead within the noise (+0.114 ms, 2.0 standard errors)" and took["gain_ms"] < took["noise_ms"]
+    )
+    assert out.seconds <= SearchOptions().max_seconds
+    with pytest.raises(ValueError, match="ride_along_z = -1.0: must be >= 0"):
+        SearchOptions(ride_along_z=-1.0)
+
+
+def test_nothing_rides_along_without_an_accepted_choice_nor_under_a_quarter_of_a_gain_worth_a_switch():
+    """The rule alone (a stand-in searcher whose looks are (gain, standard error) pairs, a gain worth a switch of
+    0.2 ms): with no choice accepted nothing goes along, in an equal world too; with one accepted, a leader 1.9
+    standard errors ahead goes along, one 4 standard errors but 0.04 ms ahead does not (under a quarter of 0.2 ms),
+    nor one 1.4 standard errors ahead, nor one whose single look has no spread to tell the noise by."""
+
+    class Stub:
+        opt, lines = SearchOptions(), []
+        _ride_along = Looks._ride_along
+
+        def _worth(self, incumbent):
+            return 0.2
+
+        def _look_bounds(self, incumbent, opt, entries):
+            return entries
+
+        def log(self, line):
+            self.lines.append(line)
+
+    looks = {"a": (0.114, 0.06, 40), "b": (0.04, 0.01, 24), "c": (0.084, 0.06, 40), "d": (0.3, 0.0, 1)}
+    choices = {g: {"accepted": False, "gain_ms": v[0]} for g, v in looks.items()}
+    best_of = {g: (g, v[0]) for g, v in looks.items()}
+    s = Stub()
+    assert s._ride_along(None, choices, best_of, looks) == [] and s.lines == []
+    choices["e"], best_of["e"] = {"accepted": True, "gain_ms": 0.6}, ("e", 0.6)
+    assert s._ride_along(None, choices, best_of, looks) == ["a"]
+    assert choices["a"] == {
+        "accepted": True,
+        "gain_ms": 0.114,
+        "rides_along": True,
+        "note": "ahead within the noise (+0.114 ms, 1.9 standard errors)",
+    }
+    assert not any(choices[g]["accepted"] for g in "bcd")
+    assert s.lines == [
+        "[tp-overlap-autotune] 1 GEMM(s) ahead within the noise go along with the accepted choices: "
+        "a (+0.114 ms, 1.9 standard errors)"
+    ]
+    assert Stub.opt.ride_along_z == 1.5

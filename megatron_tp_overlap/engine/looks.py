@@ -7,8 +7,8 @@ and only for a leader ahead (at least ``later_look_least`` of the way to the noi
 quarter of a gain worth a switch, one the racing put ahead beyond the noise while fewer than three of its looks count,
 or one whose interval still reaches a gain worth a switch (``later_reach``). A leader's standard error from its looks
 is at least their own spread (``look_spread``). A GEMM with no looked-at option accepted then gives fresh looks to
-its best raced runners-up with what the budget has left (``runners_up``). Every choice still goes through the final
-decision.
+its best raced runners-up with what the budget has left (``runners_up``). Once a choice is accepted, a leader ahead
+within the noise goes along with it (``ride_along_z``). Every choice still goes through the final decision.
 """
 
 from __future__ import annotations
@@ -173,6 +173,35 @@ class Looks:
                 + (", ".join(f"{g}: {c['option']} accepted" for g, (c, _) in took.items()) or "none accepted")
             )
         return runners, took
+
+    def _ride_along(
+        self,
+        incumbent: TuningConfig,
+        choices: dict[str, dict],
+        best_of: dict[str, tuple[Option, float]],
+        raw_fresh: Raw,
+    ) -> list[str]:
+        """Once a choice is accepted, each GEMM whose looked-at best is ahead of the incumbent by ``ride_along_z``
+        standard errors of its looks and by a quarter of a gain worth a switch, but under its threshold, is accepted
+        with it (``rides_along``): the config
+        changes anyway, and a part too small to pay for a switch alone can still add to one. Only fresh looks count
+        (not the racing's luckiest estimate), and the final decision tests the whole config. Returns those GEMMs."""
+        z = self.opt.ride_along_z
+        if not z or not any(c["accepted"] for c in choices.values()):
+            return []
+        riders, least = {}, self._worth(incumbent) / 4  # a quarter of a gain worth a switch: not 0.02 ms of 100
+        for g, c in choices.items():
+            x = best_of[g][0]
+            b = None if c["accepted"] or x not in raw_fresh else self._look_bounds(incumbent, x, raw_fresh[x])
+            if b and b[0] > max(z * b[1], least) and b[1] > 0:  # 0: one look, one sample (no spread to tell by)
+                riders[g] = f"+{b[0]:.3f} ms, {b[0] / b[1]:.1f} standard errors"  # as its looks and the rest end
+                c.update(accepted=True, rides_along=True, note=f"ahead within the noise ({riders[g]})")
+        if riders:
+            self.log(
+                f"[tp-overlap-autotune] {len(riders)} GEMM(s) ahead within the noise go along with the accepted "
+                "choices: " + ", ".join(f"{g} ({r})" for g, r in riders.items())
+            )
+        return list(riders)
 
     def _accepts(self, incumbent: TuningConfig, opt: Option, entries: list) -> bool:
         """Whether fresh ``entries`` accept ``opt``: its gain beyond :meth:`_threshold` after that many looks."""

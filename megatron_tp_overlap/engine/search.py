@@ -301,6 +301,7 @@ class Searcher(Racing, Looks, FinalDecision, Budget):
         survivors += runners
         for g, (c, best) in took.items():
             choices[g], best_of[g] = c | {"runner_up": True}, best
+        self._ride_along(incumbent, choices, best_of, raw_fresh)
         self._note_cut_short(len(options), unscreened, samples, race, survivors, unhalved)
         self.coverage_report = self.coverage(options, race, set(survivors) & set(raw_fresh))
         taus = self._taus(incumbent) if o.trial_noise else {}
