@@ -330,6 +330,32 @@ def test_pooled_sigma_is_unbiased_for_every_group_size(size):
     assert statistics.mean(est) == pytest.approx(0.1, abs=0.008)
 
 
+def test_the_vectorized_positional_spread_is_the_list_arithmetic_figure_for_figure():
+    """``stats.positional_sd`` runs on numpy columns (the racing pools thousands of pairs again after every trial);
+    it must give exactly what the list arithmetic gives (``statistics.median`` of each position's values, then of the
+    absolute residuals), odd and even counts, positions with fewer than three values, ties."""
+    import statistics
+
+    from megatron_tp_overlap.engine import stats
+
+    def by_lists(pairs):
+        rel = {}
+        for k, r, _, _ in pairs:
+            rel.setdefault(k, []).append(r)
+        shared = {k: statistics.median(v) if len(v) >= 3 else 0.0 for k, v in rel.items()}
+        return stats.sd_around_zero([(d - shared[k] * level) / math.sqrt(2) for k, _, d, level in pairs])
+
+    rng = random.Random(5)
+    for n in [0, 1, 2, 3, 4, 7, 50, 301]:
+        for _ in range(20):
+            pairs = []
+            for _ in range(n):
+                k, level = (rng.choice([2, 5, 9]), rng.randrange(4)), rng.uniform(0.5, 3.0)
+                d = round(rng.gauss(0, 0.1), rng.choice([2, 12]))  # rounded: ties
+                pairs.append((k, d / level, d, level))
+            assert stats.positional_sd(pairs) == by_lists(pairs), pairs
+
+
 def test_a_pattern_every_trial_shares_by_position_is_not_counted_as_noise():
     """After each switch the 3rd step is 8% slower and the 4th 3% (clocks, a periodic task): comparisons are made at
     equal positions, so the per-GEMM threshold must not widen for it (it did: 0.32 ms thresholds for 0.1-0.3 ms gains

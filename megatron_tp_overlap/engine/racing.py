@@ -20,6 +20,8 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from megatron_tp_overlap.engine import brackets, rest_scaling, stats, trial_effect
 from megatron_tp_overlap.engine.looks import RECHECKS
 from megatron_tp_overlap.engine.space import Option, TuningConfig
@@ -73,6 +75,16 @@ class Racing(rest_scaling.RestScaling):
         """Per trial of ``entries``: its relative samples (:meth:`_relative`) and the variance of the incumbent's
         interpolated level there, in units of one sample's: ``w^2 / n0 + (1 - w)^2 / n1`` for the weights and sample
         counts of the incumbent trials on either side (a trial right after a bracket leans on that bracket alone)."""
+        # the same entries at the same trials give the same result (the racing and the looks ask again and again);
+        # the entries are kept with it, so that no id in the key can be reused while it is cached
+        key = ("relative", incumbent, self._slots_of(opt), tuple(id(x) for e in entries for x in e), len(self.trials))
+        if key not in self._cache:
+            self._cache[key] = self._relative_trials_now(incumbent, opt, entries), list(entries)
+        return self._cache[key][0]
+
+    def _relative_trials_now(
+        self, incumbent: TuningConfig, opt: Option, entries: list[tuple[Trial, list[float]]]
+    ) -> list[tuple[list[float], float]]:
         slots, out, norm, tau = self._slots_of(opt), [], self._rest_norm(incumbent), self._opt_tau(incumbent, opt)
         tracks: dict[int, tuple] = {}  # per step count: the shared cache is looked up once per call, not per trial
         jump = brackets.jump_for(tau * self.opt.trial_noise, self._incumbent_level(incumbent, opt))
@@ -320,18 +332,19 @@ class Racing(rest_scaling.RestScaling):
         if key not in self._cache:
             # the trials' differences so far, extended by the new trials only (while the rest scaling is the same)
             acc = self._cache.setdefault(("sigma_acc", tuple(sorted(self._betas().items()))), [0, {}])
-            per: dict[str, list[tuple[tuple[int, int], float, float, float]]] = acc[1]
+            per: dict[str, stats.PairColumns] = acc[1]
             for t in self.trials[acc[0] :]:
                 for s, *pair in self._trial_diffs(t):
-                    per.setdefault(s, []).append(tuple(pair))
+                    per.setdefault(s, stats.PairColumns()).add(*pair)
             acc[0] = len(self.trials)
-            pooled = stats.positional_sd([p for v in per.values() for p in v])
-            self._cache[key] = pooled, {s: list(v) for s, v in per.items()}
-        pooled, per = self._cache[key]
-        if slot is None or len(per.get(slot, ())) < MIN_SLOT_PAIRS:
+            cols = {s: c.arrays() for s, c in per.items()}
+            pooled = stats.positional_sd_columns(*(np.concatenate(x) for x in zip(*cols.values()))) if cols else 0.0
+            self._cache[key] = pooled, cols
+        pooled, cols = self._cache[key]
+        if slot is None or len(cols[slot][0] if slot in cols else ()) < MIN_SLOT_PAIRS:
             return pooled
         if ("slot_sigma", slot, len(self.trials)) not in self._cache:
-            self._cache[("slot_sigma", slot, len(self.trials))] = stats.positional_sd(per[slot])
+            self._cache[("slot_sigma", slot, len(self.trials))] = stats.positional_sd_columns(*cols[slot])
         return self._cache[("slot_sigma", slot, len(self.trials))]
 
     def _trial_diffs(self, t: Trial) -> list[tuple[str, tuple[int, int], float, float, float]]:

@@ -6,6 +6,8 @@ import math
 import statistics
 from collections.abc import Sequence
 
+import numpy as np
+
 
 def robust_sd(xs: Sequence[float]) -> float:
     """1.4826 x the median absolute deviation from the median: the standard deviation of normal samples, which a
@@ -45,8 +47,56 @@ def pooled_sigma(groups: Sequence[Sequence[float]], positional: bool = False) ->
 def positional_sd(pairs: Sequence[tuple[tuple[int, int], float, float, float]]) -> float:
     """:func:`pooled_sigma` (positional) from its consecutive pairs ``((group length, position), relative difference,
     difference, level)``: the median relative difference at each position (>= 3 of them) is taken out first."""
-    rel: dict[tuple[int, int], list[float]] = {}
-    for k, r, _, _ in pairs:
-        rel.setdefault(k, []).append(r)
-    shared = {k: statistics.median(v) if len(v) >= 3 else 0.0 for k, v in rel.items()}
-    return sd_around_zero([(d - shared[k] * level) / math.sqrt(2) for k, _, d, level in pairs])
+    return positional_sd_columns(*PairColumns.of(pairs).arrays())
+
+
+class PairColumns:
+    """:func:`positional_sd`'s pairs as columns that grow (the racing adds each new trial's pairs to them)."""
+
+    def __init__(self) -> None:
+        self.key: list[int] = []  # (group length, position) as one integer
+        self.rel: list[float] = []
+        self.diff: list[float] = []
+        self.level: list[float] = []
+
+    @classmethod
+    def of(cls, pairs: Sequence[tuple[tuple[int, int], float, float, float]]) -> PairColumns:
+        c = cls()
+        for k, r, d, level in pairs:
+            c.add(k, r, d, level)
+        return c
+
+    def add(self, k: tuple[int, int], r: float, d: float, level: float) -> None:
+        self.key.append(k[0] << 32 | k[1])
+        self.rel.append(r)
+        self.diff.append(d)
+        self.level.append(level)
+
+    def __len__(self) -> int:
+        return len(self.key)
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        return np.array(self.key, np.int64), np.array(self.rel), np.array(self.diff), np.array(self.level)
+
+
+def positional_sd_columns(key: np.ndarray, rel: np.ndarray, diff: np.ndarray, level: np.ndarray) -> float:
+    """:func:`positional_sd` of its pairs' columns, vectorized (thousands of pairs, pooled again after every trial),
+    in the same arithmetic, so the same figures as ``statistics.median`` over lists."""
+    n = len(key)
+    if not n:
+        return 0.0
+    order = np.lexsort((rel, key))  # by position, then by value: each position's values sorted
+    k, r = key[order], rel[order]
+    starts = np.flatnonzero(np.r_[True, k[1:] != k[:-1]])
+    counts = np.diff(np.r_[starts, n])
+    shared = np.where(counts >= 3, _sorted_median(r, starts, counts), 0.0)
+    per_pair = np.empty(n)
+    per_pair[order] = np.repeat(shared, counts)
+    res = np.sort(np.abs((diff - per_pair * level) / math.sqrt(2)))
+    return 1.4826 * float(_sorted_median(res, np.zeros(1, np.int64), np.array([n]))[0])
+
+
+def _sorted_median(x: np.ndarray, starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """The median of each run ``x[start:start + count]`` of sorted values, as ``statistics.median`` computes it."""
+    mid = starts + counts // 2
+    return np.where(counts % 2 == 1, x[mid], (x[np.maximum(mid - 1, 0)] + x[mid]) / 2)
