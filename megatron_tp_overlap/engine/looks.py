@@ -183,9 +183,9 @@ class Looks:
     ) -> list[str]:
         """Once a choice is accepted, each GEMM whose looked-at best is ahead of the incumbent by ``ride_along_z``
         standard errors of its looks and by a quarter of a gain worth a switch, but under its threshold, is accepted
-        with it (``rides_along``): the config
-        changes anyway, and a part too small to pay for a switch alone can still add to one. Only fresh looks count
-        (not the racing's luckiest estimate), and the final decision tests the whole config. Returns those GEMMs."""
+        with it (``rides_along``): the config changes anyway, and a part too small to pay for a switch alone can still
+        add to one. Only fresh looks count (not the racing's luckiest estimate), and the final decision tests the whole
+        config. Returns those GEMMs."""
         z = self.opt.ride_along_z
         if not z or not any(c["accepted"] for c in choices.values()):
             return []

@@ -72,9 +72,6 @@ class PairColumns:
         self.diff.append(d)
         self.level.append(level)
 
-    def __len__(self) -> int:
-        return len(self.key)
-
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         return np.array(self.key, np.int64), np.array(self.rel), np.array(self.diff), np.array(self.level)
 
