@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_tp_overlap.engine import passes
+from megatron_tp_overlap.engine.racing import Racing
 from megatron_tp_overlap.engine.search import Searcher, SearchOptions
 from megatron_tp_overlap.engine.space import TuningConfig
 from megatron_tp_overlap.engine.trial import MAX_PASSES, Contender, SearchResult, TrialFailed, Work
@@ -77,6 +78,8 @@ class Passes:
 
     def _decision_reserve(self, contenders):
         return passes.Work()
+
+    _round_work = Racing._round_work  # the racing round's pricing, as the Searcher has it
 
     def coordinate(self, incumbent, baselines):
         self.calls.append((incumbent.label, self.reference_name, self.tuned_name, self.search_name, baselines))

@@ -12,7 +12,6 @@ reference, another would repeat it, and in a world of equal configs double the c
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import TYPE_CHECKING
 
 from megatron_tp_overlap.engine.space import TuningConfig
@@ -39,9 +38,7 @@ def room_for_pass(searcher: Searcher) -> bool:
         (sum(len(searcher.space.get(g, ())) for g in gemms) for gemms in searcher.topo.slots().values()), default=0
     )
     screening = Work(fullest * (o.screen_steps + o.warmup_steps), fullest)
-    trials = fullest + math.ceil(fullest / o.bracket_every)
-    racing = Work(trials * (o.halving_steps + o.warmup_steps), trials)
-    return searcher._fits(2 * o.screen_steps, searcher._decision_reserve(2) + screening + racing)
+    return searcher._fits(2 * o.screen_steps, searcher._decision_reserve(2) + screening + searcher._round_work(fullest))
 
 
 def search_on(searcher: Searcher, result: SearchResult) -> SearchResult:

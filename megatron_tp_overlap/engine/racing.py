@@ -314,9 +314,12 @@ class Racing(rest_scaling.RestScaling):
         for x in race.unsettled:
             for s in self._slots_of(x):
                 per_slot[s] = per_slot.get(s, 0) + 1
-        trials = max(per_slot.values(), default=0)
-        trials += math.ceil(trials / self.opt.bracket_every)
-        return self._seconds(Work(trials * (self.opt.halving_steps + self.opt.warmup_steps), trials))
+        return self._seconds(self._round_work(max(per_slot.values(), default=0)))
+
+    def _round_work(self, options: int) -> Work:
+        """One racing round over a slot's ``options``: a trial each (a switch each) and the incumbent's brackets."""
+        trials = options + math.ceil(options / self.opt.bracket_every)
+        return Work(trials * (self.opt.halving_steps + self.opt.warmup_steps), trials)
 
     def _sigma(self, slot: str | None = None) -> float:
         """The relative spread of one step of a slot (:func:`stats.pooled_sigma`, positional) over every trial's slot
