@@ -4,8 +4,9 @@ were recorded at them (the mechanisms are the same at today's 180 s defaults), a
 CPU time of a 120 s one (pytest's 90 s bound on a 2-core clone). ``AT_120``: the defaults of the twenty-sixth to the
 thirtieth session (120 s, up to 20 looks), where later mechanisms' tests were recorded: at 180 s the budget alone takes
 some of the gains that those mechanisms were needed for. Both keep the thirty-second session's two look rules off
-(``look_spread``, ``later_reach``), the thirty-third's runners-up (``runners_up``) and the forty-second's ride-along
-(``ride_along_z``) off, which came after every one of those recordings."""
+(``look_spread``, ``later_reach``), the thirty-third's runners-up (``runners_up``), the forty-second's ride-along
+(``ride_along_z``) and the forty-third's rest guard (``rest_guard``) off, which came after every one of those
+recordings."""
 
 from megatron_tp_overlap.engine.search import SearchOptions
 
@@ -17,6 +18,7 @@ AT_60 = {
     "later_reach": 0,
     "runners_up": 0,
     "ride_along_z": 0.0,
+    "rest_guard": 0,
 }
 AT_120 = {
     "max_seconds": 120.0,
@@ -25,12 +27,14 @@ AT_120 = {
     "later_reach": 0,
     "runners_up": 0,
     "ride_along_z": 0.0,
+    "rest_guard": 0,
 }
 AT_31 = {
     "look_spread": 0,
     "later_reach": 0,
     "runners_up": 0,
     "ride_along_z": 0.0,
+    "rest_guard": 0,
 }  # the thirty-first session's search: today's budget, the two rules off
 
 

@@ -400,8 +400,9 @@ def test_a_host_bound_forwards_trial_level_is_counted_on_its_own_and_names_no_fa
     looks with the steps' spread alone accepted equal qkv_fprop and proj_fprop options: false winners. Tested on its
     own (``trial_own_diffs``, 30 differences) the level is counted and nothing is accepted (200 seeds: false winners
     1.5 -> 0.0%; decision_sim README, thirty-eighth section). Uncapped: ``floor_cap`` alone keeps both from it."""
-    before = sim.run_once("hostmax", 0.0, sim.EQUAL_SEED + seed, SearchOptions(trial_own_diffs=0, floor_cap=0.0))
-    after = sim.run_once("hostmax", 0.0, sim.EQUAL_SEED + seed, SearchOptions(floor_cap=0.0))
+    old = {"floor_cap": 0.0, "rest_guard": 0}  # nor the final decision's rest guard (tests/test_rest_guard.py)
+    before = sim.run_once("hostmax", 0.0, sim.EQUAL_SEED + seed, SearchOptions(trial_own_diffs=0, **old))
+    after = sim.run_once("hostmax", 0.0, sim.EQUAL_SEED + seed, SearchOptions(**old))
     assert before.false_winner and {"qkv_fprop", "proj_fprop"} <= {
         g for g, c in before.choices.items() if c["accepted"]
     }

@@ -112,9 +112,16 @@ class FinalDecision:
             # 2. the reference against the selected config, in ABBA quadruples, until the interval decides
             decision = self.abba(ref, best)
             slot, step = decision["slot_interval"], decision["step_interval"]
+            adjusted = decision["rest_adjusted_interval"]
             ref_ms = decision["reference_step_ms"]
             worth = o.rel_floor * ref_ms  # a gain worth a switch
-            if slot.faster and not step.slower and slot.high >= worth:
+            if slot.faster and not adjusted.faster:
+                reason = (
+                    f"{best.name} is faster in the overlapped layers ({slot.describe(ref=ref_ms)}), but not once the "
+                    f"rest of the step is taken out ({adjusted.describe(ref=ref_ms)}): its blocks met faster steps, "
+                    f"keeping the {ref.name}"
+                )
+            elif slot.faster and not step.slower and slot.high >= worth:
                 winner = best
                 reason = (
                     f"{best.name} beats the {ref.name} by {slot.describe(ref=ref_ms)} per step in the overlapped "
@@ -158,6 +165,7 @@ class FinalDecision:
                 **{k: v for k, v in decision.items() if not k.endswith("interval")},
                 "slot_interval": decision["slot_interval"].to_dict(),
                 "step_interval": decision["step_interval"].to_dict(),
+                "rest_adjusted_interval": decision["rest_adjusted_interval"].to_dict(),
                 "selection_gain_ms": {k: round(-v, 4) for k, v in sel.items()},
             }
         return SearchResult(
@@ -281,15 +289,17 @@ class FinalDecision:
         config's second block must follow that gap as its first follows a switch, for both configs alike (with B's two
         blocks in one trial, A's continuing block alone followed a gap: on real H200 steps the reference then measured
         0.06-0.55% of a step faster than an equal candidate in 7 of 7 decisions,
-        benchmarks/results/2026-11-23_h200x1/search_on_real_steps/)."""
+        benchmarks/results/2026-11-23_h200x1/search_on_real_steps/). With ``rest_guard`` a look that finds the slots
+        faster needs them faster once the rest of the step is taken out too (:func:`paired.rest_adjusted`), or runs on."""
         o, bs = self.opt, self.block_steps
         decided_on = self._changed_slots(ref.config, cand.config) if o.changed_slots else None
         order: list[int] = []
         slot_blocks: list[float] = []
         step_blocks: list[float] = []
+        rest_blocks: list[float] = []  # the rest of each block's steps (step minus every slot), for ``rest_guard``
         blocks: list[Trial] = []
         quads, error, seconds, split = 0, None, 0.0, 0
-        slot_iv = step_iv = paired.gain_interval([], o.level)
+        slot_iv = step_iv = adj_iv = paired.gain_interval([], o.level)
         rest_of_quad = Work(3 * bs + o.warmup_steps, 1, 2)  # after its first block
         while quads < o.max_quads and error is None and self._can_afford(bs, rest_of_quad):
             for which in paired.QUAD:
@@ -303,6 +313,7 @@ class FinalDecision:
                 seconds += t.seconds
                 blocks.append(t)
                 step_blocks.append(statistics.median(t.step_samples))
+                rest_blocks.append(statistics.median(t.rest_samples) if t.rest_samples else math.nan)
                 order.append(which)
             else:
                 quads += 1
@@ -315,8 +326,13 @@ class FinalDecision:
                 if not (last or paired.looks_after(quads)):
                     continue
                 final = last and quads <= paired.DENSE_LOOKS  # past them every look is at the interim level
-                slot_iv = paired.look(paired.quad_gains(slot_blocks[: 4 * quads], order), o.level, final, o.clip_sds)
+                gains = paired.quad_gains(slot_blocks[: 4 * quads], order)
+                slot_iv = paired.look(gains, o.level, final, o.clip_sds)
                 step_iv = paired.look(paired.quad_gains(step_blocks[: 4 * quads], order), o.level, True, o.clip_sds)
+                rest = paired.quad_gains(rest_blocks[: 4 * quads], order)
+                adj_iv = slot_iv
+                if o.rest_guard and slot_iv.faster and not any(map(math.isnan, rest)):
+                    adj_iv = paired.look(paired.rest_adjusted(gains, rest), o.level, final, o.clip_sds)
                 ref_ms = statistics.median(v for v, w in zip(step_blocks, order) if w == paired.A)
                 # the layers faster but the whole step slower: the quadruples the budget has left settle which, all of
                 # them (stopping at the first look where the step is no longer slower would favour the candidate). On
@@ -324,6 +340,8 @@ class FinalDecision:
                 split = split or (quads if slot_iv.faster and step_iv.slower else 0)
                 if split and not last:
                     continue
+                if slot_iv.faster and not adj_iv.faster and not last:
+                    continue  # faster, but not once the rest of the step is taken out: more quadruples settle it
                 if slot_iv.faster or slot_iv.slower or slot_iv.high < o.rel_floor * ref_ms:
                     break
         ref_blocks = [v for v, w in zip(step_blocks, order) if w == paired.A]
@@ -339,6 +357,7 @@ class FinalDecision:
             "slot_interval": slot_iv,
             "decided_on": sorted(decided_on) if decided_on else "every slot",
             "step_interval": step_iv,
+            "rest_adjusted_interval": adj_iv,
             "split_at": split,  # the quadruple where the layers were faster and the step slower (0: never)
             "reference_step_ms": ref_ms,
             "noise_pct_of_step": round(100 * slot_iv.half_width / ref_ms, 3)

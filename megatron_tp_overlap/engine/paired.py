@@ -157,6 +157,23 @@ def gain_interval(gains: Sequence[float], level: float = 0.95) -> Interval:
     return Interval(est, walsh[k - 1], walsh[len(walsh) - k], n, level)
 
 
+def rest_adjusted(gains: Sequence[float], rest: Sequence[float]) -> list[float]:
+    """Quadruple ``gains`` less what the rest of the step's quadruple gains ``rest`` (the same quadruples; the step
+    minus every timed slot, the same kernels whatever the config) explain: ``g - beta r``, ``beta`` their least-squares
+    slope. Equal configs have no rest gain but by chance; where a stretch of fast steps (the machine, not the config)
+    fell on one config's blocks it moved the slots and the rest together, and the adjusted gains keep only the part
+    the rest does not share. ``gains`` unchanged with fewer than ``MIN_PAIRS`` quadruples or a constant rest."""
+    n = len(gains)
+    if n < MIN_PAIRS or len(rest) != n:
+        return list(gains)
+    mg, mr = statistics.fmean(gains), statistics.fmean(rest)
+    sxx = sum((r - mr) ** 2 for r in rest)
+    if sxx <= 0:
+        return list(gains)
+    beta = sum((g - mg) * (r - mr) for g, r in zip(gains, rest)) / sxx
+    return [g - beta * r for g, r in zip(gains, rest)]
+
+
 def looks_after(quads: int) -> bool:
     """Whether a sequential decision looks after its ``quads``-th quadruple (its last one aside, where it always does)."""
     return quads <= DENSE_LOOKS or quads % SPARSE_EVERY == 0

@@ -179,6 +179,9 @@ class SearchOptions:
     # the final decision's quadruple gains are clipped at their median +- this many robust standard deviations
     # (paired.clipped; 0: not clipped): a stretch of slow steps in a few blocks left real 1.2-2.3% gains undecided
     clip_sds: float = 4.0
+    # 1: the final decision also needs the candidate faster once the rest of the step (the same kernels whatever the
+    # config) is taken out of the quadruples' gains (paired.rest_adjusted); 0: the slot times alone
+    rest_guard: int = 1
     # per-GEMM gains must exceed z standard errors: 2.5, since up to 12 GEMMs' leaders are re-checked, an inconclusive
     # one twice (at 2.0, 31 of 100 equal simulated worlds accepted a choice, at 2.5, 13; issue 46)
     z: float = 2.5
@@ -243,6 +246,7 @@ class SearchOptions:
             "later_reach",
             "rebase_runners_up",
             "runners_up_in_turn",
+            "rest_guard",
         ):
             if getattr(self, k) not in (0, 1):
                 raise ValueError(f"{k} = {getattr(self, k)}: must be 0 or 1")
