@@ -51,15 +51,15 @@ def test_interval_covers_zero_gain_at_its_level():
 
 
 @pytest.mark.parametrize("scenario", [s for s in decision_sim.SCENARIOS if s != "hostmax"])  # hostmax: test_racing.py
-def test_decision_rule_on_three_simulated_runs(scenario):
-    """The decision rule on simulated runs with known costs (not a timing test), seeds 0-2 of every scenario (10 before
+def test_decision_rule_on_two_simulated_runs_of_every_scenario(scenario):
+    """The decision rule on simulated runs with known costs (not a timing test), seeds 0-1 of every scenario (10 before
     issue 46: its search spends the rest of the budget, each run costs over twice the CPU; 4 before the 120 s budget,
-    pytest's 90 s bound on a 2-core clone): these
+    3 before the forty-third session's rest guard tests, pytest's 90 s bound on a 2-core clone): these
     runs are deterministic, and in each the search takes all of the available gain (0.5-5% of the step) in every
     seed, is never slower than the reference, names no false winner where every config costs the same, and stays
     within its budget. The 200-seed table is the simulator's own (`python -m
     megatron_tp_overlap.tools.research.decision_sim --seeds 200`, benchmarks/results/2026-11-25_cpu/decision_sim/)."""
-    r = decision_sim.evaluate_rule(3, (scenario,))[scenario]
+    r = decision_sim.evaluate_rule(2, (scenario,))[scenario]
     assert r["realized_mean"] >= 0.98, r
     assert r["realized_min"] == 1.0, r  # issue 46: every seed, not the mean (its bar: >= 80%)
     assert r["worst_excess_pct"] == 0.0, r
