@@ -1,7 +1,9 @@
 """The final decision's rest guard (``SearchOptions.rest_guard``, ``paired.rest_adjusted``): a candidate is taken only
 if it is also faster once the rest of the step (the same kernels whatever the config) is taken out of its gains."""
 
+import json
 import random
+from pathlib import Path
 
 import pytest
 from budgets import AT_120
@@ -104,3 +106,28 @@ def test_the_simulators_equal_worlds_that_named_a_winner_keep_the_reference_with
         for guard in (0, 1)
     }
     assert named == {0: True, 1: False}
+
+
+def test_on_real_decisions_the_rest_tells_the_false_winners_and_keeps_every_gain():
+    """The first final decision of every real-step search that kept its trials' rest of the step (11, one H200 each:
+    tests/data/real_rest_blocks.json), on the GPU time of every overlapped slot (the decision itself
+    sums only the changed ones). Both equal worlds that named a winner (26301, 27401) read the candidate faster, and
+    the rest read its blocks faster too; with the rest taken out neither is faster. All 9 put-in gains (0.19-1.02 ms)
+    are faster with the rest taken out, and only 1 without: the rest's noise is most of these sums'."""
+    recorded = json.loads((Path(__file__).parent / "data" / "real_rest_blocks.json").read_text())["decisions"]
+    got = {}
+    for d in recorded:
+        layers, rest = d["layers_gain_ms"], d["rest_gain_ms"]
+        last = lambda g: paired.look(g, 0.95, True, SearchOptions.clip_sds).faster  # noqa: E731
+        got[(d["run"], d["seed"], d["true_gain_ms"] > 0)] = (
+            last(layers),
+            last(rest),
+            last(paired.rest_adjusted(layers, rest)),
+        )
+    assert {k: v for k, v in got.items() if not k[2]} == {
+        ("2026-11-28_h200x1 sr4", 26301, False): (True, True, False),
+        ("2026-11-29_h200x1c sr15", 27401, False): (True, True, False),
+    }
+    gains = [v for k, v in got.items() if k[2]]
+    assert len(gains) == 9 and all(adjusted for _, _, adjusted in gains)
+    assert sum(layers for layers, _, _ in gains) == 1
