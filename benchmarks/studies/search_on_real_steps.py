@@ -393,6 +393,8 @@ def one_search(real: RealSteps, seed: int, gain: float, preset: bool = False, va
         "decision_half_width_pct": d.get("noise_pct_of_step"),
         "decision_gain_ms": d.get("slot_interval", {}).get("gain_ms"),  # measured in the overlapped layers
         "decision_step_gain_ms": d.get("step_interval", {}).get("gain_ms"),  # measured on the whole step
+        # ... and in the overlapped layers once the rest of the step is taken out (the rest guard's reading)
+        "decision_rest_adjusted_gain_ms": d.get("rest_adjusted_interval", {}).get("gain_ms"),
         "true_gain_of_decided_ms": round(real.scale * (ref_ms - world.step_ms(decided)), 3) if d else None,
         "reference_step_ms": d.get("reference_step_ms"),
         "confirm_blocks": confirm_blocks(res.trials),
@@ -484,13 +486,17 @@ def variant_of(run: dict) -> str:
 
 def confirm_blocks(trials: list) -> list[list]:
     """The final decision's blocks: [contender, after a switch (1) or continuing its config (0), GPU ms of the
-    overlapped layers per step (median over the block)]."""
+    overlapped layers per step, ms of the rest of the step (the step minus every slot; both medians over the
+    block)]: what the rest guard (``SearchOptions.rest_guard``) can be checked on, for every decision."""
     out, prev = [], None
     for t in trials:
         if t.phase != "confirm" or t.error or not t.slot_samples:
             continue
         per_step = [sum(v) for v in zip(*t.slot_samples.values())]
-        out.append([t.tested["*"], int(prev is None or prev != t.tested["*"]), round(statistics.median(per_step), 4)])
+        rest = round(statistics.median(t.rest_samples), 4) if t.rest_samples else None
+        out.append(
+            [t.tested["*"], int(prev is None or prev != t.tested["*"]), round(statistics.median(per_step), 4), rest]
+        )
         prev = t.tested["*"]
     return out
 
