@@ -96,7 +96,7 @@ def test_blocks_that_meet_faster_steps_are_not_named_and_a_real_gain_is_still_ta
 )
 def test_the_simulators_equal_worlds_that_named_a_winner_keep_the_reference_with_the_guard(scenario, seed, options):
     """decision_sim equal worlds whose searches named a false winner: ``hostbound`` 185 at today's defaults (the
-    200-seed table's 0.5% there; 0.0% with the guard, every other figure of the fifteen scenarios as without it:
+    200-seed table's 0.5% there; 0.0% with the guard, the other fourteen scenarios' figures as without it:
     decision_sim README, forty-third section), and three recorded with a mechanism of an earlier session left out
     (tests/test_racing.py). Each time the candidate's blocks met faster steps in the rest of the step too."""
     named = {
