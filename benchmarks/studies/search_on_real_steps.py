@@ -393,8 +393,9 @@ def one_search(real: RealSteps, seed: int, gain: float, preset: bool = False, va
         "decision_half_width_pct": d.get("noise_pct_of_step"),
         "decision_gain_ms": d.get("slot_interval", {}).get("gain_ms"),  # measured in the overlapped layers
         "decision_step_gain_ms": d.get("step_interval", {}).get("gain_ms"),  # measured on the whole step
-        # ... and in the overlapped layers once the rest of the step is taken out (the rest guard's reading)
-        "decision_rest_adjusted_gain_ms": d.get("rest_adjusted_interval", {}).get("gain_ms"),
+        # ... and in the overlapped layers once the rest of the step is taken out: the rest guard's interval (the
+        # slots' own where the slots did not read the candidate faster)
+        "decision_rest_adjusted": d.get("rest_adjusted_interval"),
         "true_gain_of_decided_ms": round(real.scale * (ref_ms - world.step_ms(decided)), 3) if d else None,
         "reference_step_ms": d.get("reference_step_ms"),
         "confirm_blocks": confirm_blocks(res.trials),
