@@ -180,7 +180,9 @@ class SearchOptions:
     # (paired.clipped; 0: not clipped): a stretch of slow steps in a few blocks left real 1.2-2.3% gains undecided
     clip_sds: float = 4.0
     # 1: the final decision also needs the candidate faster once the rest of the step (the same kernels whatever the
-    # config) is taken out of the quadruples' gains (paired.rest_adjusted); 0: the slot times alone
+    # config) is taken out of the quadruples' gains (paired.rest_adjusted); 0: the slot times alone. Both real-step
+    # false winners (26301, 27401: +0.11-0.12 ms read) had the rest 1.3-1.7 ms faster in the candidate's blocks; no
+    # put-in gain of 9 was lost (tests/test_rest_guard.py); decision_sim hostbound 185 keeps the reference
     rest_guard: int = 1
     # per-GEMM gains must exceed z standard errors: 2.5, since up to 12 GEMMs' leaders are re-checked, an inconclusive
     # one twice (at 2.0, 31 of 100 equal simulated worlds accepted a choice, at 2.5, 13; issue 46)
