@@ -163,14 +163,12 @@ def rest_adjusted(gains: Sequence[float], rest: Sequence[float]) -> list[float]:
     slope. Equal configs have no rest gain but by chance; where a stretch of fast steps (the machine, not the config)
     fell on one config's blocks it moved the slots and the rest together, and the adjusted gains keep only the part
     the rest does not share. ``gains`` unchanged with fewer than ``MIN_PAIRS`` quadruples or a constant rest."""
-    n = len(gains)
-    if n < MIN_PAIRS or len(rest) != n:
+    if len(gains) < MIN_PAIRS or len(rest) != len(gains):
         return list(gains)
-    mg, mr = statistics.fmean(gains), statistics.fmean(rest)
-    sxx = sum((r - mr) ** 2 for r in rest)
-    if sxx <= 0:
+    try:
+        beta = statistics.linear_regression(rest, gains).slope
+    except statistics.StatisticsError:  # a constant rest explains nothing
         return list(gains)
-    beta = sum((g - mg) * (r - mr) for g, r in zip(gains, rest)) / sxx
     return [g - beta * r for g, r in zip(gains, rest)]
 
 
