@@ -100,9 +100,10 @@ class SimulatedReal:
 
     def start(self, world) -> None:
         run = sim.SimulatedRun(world, self.scenario, random.Random(self.seed), 400)
-        self.world, self.run, self.switches, self.live = world, run, 0, None
+        self.world, self.run, self.switches, self.live, self.gaps_ms = world, run, 0, None, []
 
     def __call__(self, config, n, warmup):
+        self.gaps_ms.append(float(len(self.gaps_ms)))  # a stand-in for the host ms before each call: its index
         if config != self.live:
             self.live, self.switches = config, self.switches + 1
         return self.run(config, n, warmup)
@@ -197,7 +198,8 @@ def test_a_variant_takes_each_fields_type():
     ("flag", "rule"),
     [(["--common-factor", "4"], "at least 8 trials"), (["--common-factor-steps", "-1"], "at least 2"),
      (["--common-factor-steps", "1"], "at least 2"), (["--variants", "max_step=400"], "numeric SearchOptions field"),
-     (["--variants", "later_look_least=2"], "must be in [0, 1]"), (["--repeat", "0"], "at least 1")],
+     (["--variants", "later_look_least=2"], "must be in [0, 1]"), (["--repeat", "0"], "at least 1"),
+     (["--precedent", "-1"], "0 (not run) or more"), (["--precedent-work-ms", "0"], "more than 0 ms")],
 )  # fmt: skip
 def test_a_bad_study_size_or_variant_gets_one_line_and_exit_2_before_any_gpu_work(flag, rule, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", [str(PATH), "--script", "pretrain_gpt.py", *flag])
@@ -462,6 +464,8 @@ def test_a_miss_trace_keeps_every_slots_delay_and_the_simulator_couples_no_slot(
     assert all(len(r[4]) == len(slots) and r[4][slots.index("proj.fwd")] == r[3] for r in rows)
     # and its steps: the slot's (their median is the trial's) and the rest's, one per measured step
     assert all(abs(statistics.median(r[5]) - r[2]) < 1e-3 and len(r[6]) == len(r[5]) > 0 for r in rows)
+    # ... and the host ms before the trial, the call's own (here its index: one per trial, in the order they ran)
+    assert [r[7] for r in rows] == sorted({r[7] for r in rows}) and rows[0][7] == 0.0
     f = sc.fit(rows, slots)
     own, se = f["per_ms"]["proj.fwd"]
     assert abs(own - 1.0) < 3 * se and abs(f["constant"][0]) < 3 * f["constant"][1] + 1e-9
@@ -523,3 +527,40 @@ def test_trial_reads_reads_each_trial_four_ways_against_the_incumbents_nearest_a
         ("true", "long"): 2.0,
     }
     assert tr.slot_reads(inc) is None  # no trial with less put in
+
+
+def test_trial_precedent_sets_trials_after_the_searchs_work_against_those_after_a_trial():
+    """A look right after the search's work (after a bracket that closed a call: fewer than ``bracket_every`` trials
+    since the last) against one right after another trial, each against the same-length brackets; a trace's host
+    gap, where it has one, decides instead of the order."""
+    spec = importlib.util.spec_from_file_location("trial_precedent", PATH.parent / "trial_precedent.py")
+    tp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tp)
+
+    def row(phase: str, i: int, ms: float, gap: float | None = None) -> list:
+        return [phase, 9 * i, ms, 0.1, [0.1], [ms] * 8, [20.0] * 8] + ([gap] if gap is not None else [])
+
+    # a call of four looks (inline bracket), one more and its closing bracket; then looks one per call, each after
+    # the search's work and closed by a bracket: the work's looks 0.3 ms slower than the others
+    seq = [("recheck", 1.0)] * 4 + [("bracket", 1.0), ("recheck", 1.0), ("bracket", 1.0)]
+    seq += [("recheck", 1.3), ("bracket", 1.0)] * 6
+    rows = [row(p, i, ms) for i, (p, ms) in enumerate(seq)]
+    assert tp.precedents(rows, 4, 2.0) == ["trial"] * 7 + ["work", "trial"] * 6
+    spread = statistics.pstdev([x[2] - 0.1 for x in rows])
+    got = tp.levels(rows, 4, 2.0)
+    assert len(got[("looks (8 steps)", "trial")]) == 5 and len(got[("looks (8 steps)", "work")]) == 6
+    assert statistics.fmean(got[("looks (8 steps)", "work")]) == pytest.approx(0.3 / spread)
+    assert statistics.fmean(got[("looks (8 steps)", "trial")]) == pytest.approx(0.0, abs=1e-12)
+    # the host gap decides where the trace has it: here every look is said to follow 5 ms of work
+    gapped = [row(p, i, ms, 5.0 if p == "recheck" else 0.1) for i, (p, ms) in enumerate(seq)]
+    assert tp.precedents(gapped, 4, 2.0) == ["work" if p == "recheck" else "trial" for p, _ in seq]
+    work, brackets = tp.step_profile([{"miss_trace": {"qkv.fwd": rows}}], 4, 2.0)
+    assert work == "looks after work, steps 1-8: " + " ".join([f"{0.3 / spread:+.2f}"] * 8)
+    assert brackets == "brackets, steps 1-8: " + " ".join(["+0.00"] * 8)
+    (trace,) = tp.per_trace([{"seed": 3, "miss_trace": {"qkv.fwd": rows, "fc1.bwd": rows}}])
+    assert trace.startswith("seed 3 qkv.fwd: looks less brackets +0.164 +- ")  # 6 of 11 looks 0.3 ms slower
+    lines = tp.table([{"miss_trace": {"qkv.fwd": rows, "fc1.bwd": rows}}], 4, 2.0)
+    assert (
+        lines[2].startswith("| backward | looks (8 steps) | trial | 5 | ")
+        and "| forward | looks (8 steps) | work | 6 |" in lines[5]
+    )

@@ -133,9 +133,11 @@ class RealSteps:
         self.steps, self.modules, self.topo, self.delays = steps, modules, topo, delays
         self.idle_s, self.scale = idle_s, scale
         self.world, self.live, self.t0, self.switches = None, None, 0.0, 0
+        self.gaps_ms: list[float] = []  # per call, the host ms since the last call ended: the search's own work
 
     def start(self, world) -> None:
         self.world, self.live, self.t0, self.switches = world, None, time.perf_counter(), 0
+        self.gaps_ms, self.ended = [], self.t0
 
     def slot_excess_ms(self, config) -> dict[str, float]:
         """A GEMM's excess spread over the slots it runs in (a shared expert runs fc1/fc2's configs): the step's
@@ -190,6 +192,7 @@ class RealSteps:
         from megatron_tp_overlap.engine.search import Measurement
 
         t = time.perf_counter()
+        self.gaps_ms.append(round(1000 * (t - getattr(self, "ended", t)), 2))
         if config != self.live:
             simulated_switch(self.idle_s)
             self.delays.set(self.slot_excess_ms(config))
@@ -197,7 +200,7 @@ class RealSteps:
         for _ in range(warmup):
             self.steps.step()
         slot_ms, step_ms = self._timed(n)
-        now = time.perf_counter()
+        now = self.ended = time.perf_counter()
         return Measurement(slot_ms, step_ms, now - self.t0, n + warmup, now - t)
 
 
@@ -414,7 +417,7 @@ def one_search(real: RealSteps, seed: int, gain: float, preset: bool = False, va
             s: {k: v if isinstance(v, (int, float)) or k == "runners_up" else len(v) for k, v in c.items()}
             for s, c in res.coverage.items()
         },
-        "miss_trace": miss_trace(res.trials, traced, real.slot_excess_ms)
+        "miss_trace": miss_trace(res.trials, traced, real.slot_excess_ms, getattr(real, "gaps_ms", None))
         if false_winner or realized is not None and realized < 0.999
         else None,
         # per slot the chosen config leaves a delay in, what that delay shows at its size after the search
@@ -422,16 +425,19 @@ def one_search(real: RealSteps, seed: int, gain: float, preset: bool = False, va
     }
 
 
-def miss_trace(trials: list, slots: list[str], excess_ms) -> dict[str, list[list]]:
+def miss_trace(trials: list, slots: list[str], excess_ms, gaps_ms: list[float] | None = None) -> dict[str, list[list]]:
     """Per slot in ``slots``, every measured trial as [phase, position (steps), the slot's median ms, the delay put
     in for the trial's config (ms), the delays put in every slot (ms, in the order of the JSON's ``slots``), the
-    slot's ms per measured step, the rest of the step's (step minus every slot) ms per measured step]: kept
+    slot's ms per measured step, the rest of the step's (step minus every slot) ms per measured step, and, where
+    ``gaps_ms`` has one per trial, the host ms between the trial before and this one (the search's own work;
+    ``trial_precedent.py``: a trial right after it read host-bound forwards 0.37 trial spreads slower)]: kept
     for a seed that left a gain or named a false winner, so that its JSON tells a look that read noise from one that
     could not see a put-in cost (FP8 seed 21304 on 4 x H100 left a 0.32 ms proj_fprop gain, re-measured once, and a
     rerun took it: benchmarks/results/2026-11-26_h100x4c/), and whether the other slots' delays move the slot's own
     reading (``slot_coupling.py``)."""
     out: dict[str, list[list]] = {s: [] for s in slots}
-    for t in trials:
+    gaps = gaps_ms if gaps_ms is not None and len(gaps_ms) == len(trials) else [None] * len(trials)
+    for t, gap in zip(trials, gaps):
         if t.error:
             continue
         put_in = excess_ms(t.config)
@@ -440,9 +446,8 @@ def miss_trace(trials: list, slots: list[str], excess_ms) -> dict[str, list[list
             if s in t.slot_ms:
                 steps = [round(v, 4) for v in t.slot_samples.get(s, [])]
                 rest = [round(v, 4) for v in t.rest_samples]  # host_modes.py reads both
-                out[s].append(
-                    [t.phase, int(t.position), round(t.slot_ms[s], 4), round(put_in[s], 4), every, steps, rest]
-                )
+                row = [t.phase, int(t.position), round(t.slot_ms[s], 4), round(put_in[s], 4), every, steps, rest]
+                out[s].append(row + ([gap] if gap is not None else []))
     return out
 
 
@@ -528,6 +533,7 @@ def inner(
     common_factor: int = 0,
     common_factor_steps: int = 0,
     repeat: int = 1,
+    precedent: tuple[int, float] = (0, 0.0),
 ) -> None:
     import megatron.training.training as training
     import torch
@@ -588,6 +594,13 @@ def inner(
             result["common_factor"] = {"trials": trials, "summary": cf.summarize(trials)}
             print(cf.line(result["common_factor"]["summary"]), flush=True)
             save()  # with --runs 0 nothing else would write it (2026-11-26: the trials were lost so)
+            delays.set({})
+        if precedent[0]:  # does a trial right after the search's kind of work read apart? (trial_precedent.py)
+            import trial_precedent as tp
+
+            result["precedent"] = tp.record(real, *precedent)
+            print("\n".join(tp.summary_lines(tp.summarize(result["precedent"]))), flush=True)
+            save()
             delays.set({})
         for i in range(runs):
             gain = random.Random(first_seed + i).uniform(*gains) / 100 if i % 2 == 0 else 0.0
@@ -736,6 +749,15 @@ def main() -> None:
         help="measured steps per trial of --common-factor (default: the racing's, halving_steps); 16: how a trial's "
         "level falls with its length (trial_level.py)",
     )
+    p.add_argument(
+        "--precedent",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="first, this many rounds of work then two trials of one config: does a trial right after the search's "
+        "kind of work read apart from one right after a trial? (trial_precedent.py)",
+    )
+    p.add_argument("--precedent-work-ms", type=float, default=20.0, help="each --precedent work's ms")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     add_trial_microbatches(p)
     p.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
@@ -745,6 +767,10 @@ def main() -> None:
         sys.exit(2)
     if a.common_factor_steps < 0 or a.common_factor_steps == 1:
         print(f"--common-factor-steps {a.common_factor_steps}: must be 0 (the racing's) or at least 2", file=sys.stderr)
+        sys.exit(2)
+    if a.precedent < 0 or a.precedent_work_ms <= 0:
+        bad = f"--precedent {a.precedent}: must be 0 (not run) or more rounds" if a.precedent < 0 else ""
+        print(bad or f"--precedent-work-ms {a.precedent_work_ms}: must be more than 0 ms", file=sys.stderr)
         sys.exit(2)
     if a.repeat < 1:
         print(f"--repeat {a.repeat}: must be at least 1 (searches of each world)", file=sys.stderr)
@@ -765,6 +791,7 @@ def main() -> None:
             a.common_factor,
             a.common_factor_steps,
             a.repeat,
+            (a.precedent, a.precedent_work_ms),
         )
         return
     from megatron_autotune import FP8_ARGS, one_gpu_args, parse_model_shape
@@ -777,7 +804,7 @@ def main() -> None:
     cmd += ["--trial-microbatches", str(a.trial_microbatches)]
     cmd += ["--runs", str(a.runs), "--minutes", str(a.minutes), "--idle-s", str(a.idle_s)]
     cmd += ["--common-factor", str(a.common_factor), "--common-factor-steps", str(a.common_factor_steps)]
-    cmd += ["--repeat", str(a.repeat)]
+    cmd += ["--repeat", str(a.repeat), "--precedent", str(a.precedent), "--precedent-work-ms", str(a.precedent_work_ms)]
     variants = a.variants + [f"select_passes={n}" for n in a.select_passes]
     for v in variants:
         try:

@@ -1,0 +1,218 @@
+"""Does a trial right after the search's own work read a slot apart from a trial right after another trial?
+
+    python benchmarks/studies/trial_precedent.py DIR_OR_JSON [...]
+
+Reads the ``miss_trace`` of every ``search_on_real_steps.json`` under the paths (every trial of a seed that left a gain
+or named a false winner, in the slots concerned) and sets each trial's level, its median ms less the delay put in for
+its config, against the mean level of the incumbent's brackets of the same length in that search and slot, in units
+of the slot's spread of levels (the standard deviation over its trials of 4 steps or more). The search compares an
+option with those brackets, so a level apart from them is read as a gain or a loss the option does not have.
+
+What a trial follows: ``work`` where the search ran its own bookkeeping between them (the rounds' and the looks'
+judging). Since the forty-fourth session the trace holds the host
+milliseconds between the two trials (``gap_ms``); a trial follows work when its gap is at least ``--work-ms``. Older
+traces say it by their order: a trial after a bracket that closed a call of the search's (fewer than ``bracket_every``
+trials since the bracket before) follows work; a bracket after exactly ``bracket_every`` trials is taken to be inline,
+so a call that ended there counts as ``trial`` (that dilutes ``work``, never the other way).
+
+Which work does it? ``search_on_real_steps.py --precedent ROUNDS`` (:func:`record`, on real steps) runs, per round and
+in turn, each kind of :data:`WORKS` (``--precedent-work-ms`` long) and then two trials of the same config, each after a
+switch: the first right after the work, the second right after the first (as a later look and its bracket ran).
+:func:`summarize` gives, per slot and kind, the first less the second (ms, mean +- se): ``none`` is the control.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+
+from real_steps_bar import load_or_say  # the study's own (this folder is on sys.path)
+
+from megatron_tp_overlap.engine.search import SearchOptions
+
+PHASES = {("halving", 4): "racing (4 steps)", ("recheck", 8): "looks (8 steps)"}
+
+
+def _python(ms: float) -> None:  # the search's kind of work: small objects, sorting, statistics on lists
+    end = time.perf_counter() + ms / 1000
+    while time.perf_counter() < end:
+        rows = [(i % 7, [float(i)] * 4, {"k": i}) for i in range(2000)]
+        statistics.median(sorted(r[1][0] for r in rows))
+
+
+def _numpy(ms: float) -> None:  # array work (the racing's pooled spreads)
+    import numpy as np
+
+    end, a = time.perf_counter() + ms / 1000, np.arange(20000, dtype=float)
+    while time.perf_counter() < end:
+        np.sort(a * 1.0001).std()
+
+
+WORKS: dict[str, Callable[[float], None]] = {
+    "none": lambda ms: None,
+    "sleep": lambda ms: time.sleep(ms / 1000),  # the same gap, no work
+    "python": _python,
+    "numpy": _numpy,
+}
+
+
+def record(real, rounds: int, work_ms: float, steps: int = 8, works: dict | None = None) -> list[dict]:
+    """``rounds`` rounds on ``real`` (search_on_real_steps.RealSteps, an equal world, no cost put in): per kind of
+    ``works`` (in turn, the order rotating by round), the work, then two trials of ``steps`` measured steps (1 warm-up),
+    each after a switch. Per pair: the kind and each trial's per-slot median ms."""
+    import random
+
+    from megatron_tp_overlap.engine.space import TuningConfig, build_space
+    from megatron_tp_overlap.tools.research import decision_sim as sim
+    from megatron_tp_overlap.ub.config import UbConfig
+
+    works = works or WORKS
+    ref = TuningConfig(UbConfig(), frozenset(), "reference")
+    real.start(sim.make_world(build_space(sim.TOPO, sim.CTX, [UbConfig()]), 0.0, random.Random(0)))
+    out, kinds = [], list(works)
+    for r in range(rounds):
+        for kind in kinds[r % len(kinds) :] + kinds[: r % len(kinds)]:
+            works[kind](work_ms)
+            pair = []
+            for _ in range(2):
+                real.live = None  # a switch before each trial, as between a look and its bracket
+                m = real(ref, steps, 1)
+                pair.append({s: statistics.median(v) for s, v in m.slot_ms.items() if v})
+            out.append({"kind": kind, "after_work": pair[0], "after_trial": pair[1]})
+    return out
+
+
+def summarize(pairs: list[dict]) -> dict[str, dict[str, list[float]]]:
+    """Per slot and kind: [mean, se] of the trial right after the work less the trial right after it (ms)."""
+    out: dict[str, dict[str, list[float]]] = defaultdict(dict)
+    for kind in dict.fromkeys(p["kind"] for p in pairs):
+        mine = [p for p in pairs if p["kind"] == kind]
+        for s in mine[0]["after_work"]:
+            d = [p["after_work"][s] - p["after_trial"][s] for p in mine]
+            se = statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else math.nan
+            out[s][kind] = [round(statistics.fmean(d), 4), round(se, 4)]
+    return dict(out)
+
+
+def summary_lines(summary: dict[str, dict[str, list[float]]]) -> list[str]:
+    kinds = list(next(iter(summary.values()), {}))
+    lines = ["| slot | " + " | ".join(f"after {k}, ms" for k in kinds) + " |", "|---|" + "---|" * len(kinds)]
+    for s, v in summary.items():
+        lines.append(f"| {s} | " + " | ".join(f"{v[k][0]:+.4f} +- {v[k][1]:.4f}" for k in kinds) + " |")
+    return lines
+
+
+def precedents(rows: list[list], bracket_every: int, work_ms: float) -> list[str]:
+    """Per row of one slot's trace, in the order the trials ran: "work" or "trial" (what ran right before it)."""
+    out, since, closing = [], 0, False
+    for x in rows:
+        gap = x[7] if len(x) > 7 else None
+        out.append(("work" if gap >= work_ms else "trial") if gap is not None else "work" if closing else "trial")
+        if x[0] == "bracket":
+            closing, since = 0 < since < bracket_every, 0
+        else:
+            closing, since = False, since + 1
+    return out
+
+
+def levels(rows: list[list], bracket_every: int, work_ms: float) -> dict[tuple[str, str], list[float]]:
+    """(phase label, precedent) -> each trial's level against the same-length brackets, in units of the slot's
+    spread; brackets apart (they are the reference)."""
+    rows = sorted(rows, key=lambda x: x[1])
+    level = [x[2] - x[3] for x in rows]
+    spread = statistics.pstdev([v for x, v in zip(rows, level) if len(x[5]) >= 4]) if len(rows) > 1 else 0.0
+    base: dict[int, list[float]] = defaultdict(list)
+    for x, v in zip(rows, level):
+        if x[0] == "bracket":
+            base[len(x[5])].append(v)
+    out: dict[tuple[str, str], list[float]] = defaultdict(list)
+    for x, v, p in zip(rows, level, precedents(rows, bracket_every, work_ms)):
+        label = PHASES.get((x[0], len(x[5])))
+        if label and len(base[len(x[5])]) >= 4 and spread > 0:
+            out[(label, p)].append((v - statistics.fmean(base[len(x[5])])) / spread)
+    return out
+
+
+def table(runs: list[dict], bracket_every: int, work_ms: float) -> list[str]:
+    """The pooled table: per slot kind, phase and precedent, trials and their mean level (spread units) +- se."""
+    pooled: dict[tuple[str, str, str], list[float]] = defaultdict(list)
+    for r in runs:
+        for slot, rows in (r.get("miss_trace") or {}).items():
+            if rows and len(rows[0]) >= 6:  # the per-step samples (since the thirty-fourth session)
+                for (label, p), v in levels(rows, bracket_every, work_ms).items():
+                    pooled[("forward" if slot.endswith("fwd") else "backward", label, p)] += v
+    lines = [
+        "| slots | trials | after | n | level against the brackets, spread units (mean +- se) |",
+        "|---|---|---|---|---|",
+    ]
+    for (kind, label, p), v in sorted(pooled.items()):
+        se = statistics.stdev(v) / math.sqrt(len(v)) if len(v) > 1 else math.nan
+        lines.append(f"| {kind} | {label} | {p} | {len(v)} | {statistics.fmean(v):+.3f} +- {se:.3f} |")
+    return lines
+
+
+def step_profile(runs: list[dict], bracket_every: int, work_ms: float) -> list[str]:
+    """Forward slots' 8-step looks after the search's work and 8-step brackets, step by step: each step's level
+    against the brackets' mean, in spread units (a transient would fade over the steps)."""
+    cols: dict[str, list[list[float]]] = {
+        "looks after work": [[] for _ in range(8)],
+        "brackets": [[] for _ in range(8)],
+    }
+    for r in runs:
+        for slot, rows in (r.get("miss_trace") or {}).items():
+            if not slot.endswith("fwd") or not rows or len(rows[0]) < 6:
+                continue
+            rows = sorted(rows, key=lambda x: x[1])
+            spread = statistics.pstdev([x[2] - x[3] for x in rows if len(x[5]) >= 4])
+            b8 = [statistics.median(x[5]) - x[3] for x in rows if x[0] == "bracket" and len(x[5]) == 8]
+            if len(b8) < 4 or not spread:
+                continue
+            for x, p in zip(rows, precedents(rows, bracket_every, work_ms)):
+                kind = (
+                    "brackets" if x[0] == "bracket" else "looks after work" if x[0] == "recheck" and p == "work" else ""
+                )
+                if kind and len(x[5]) == 8:
+                    for i, v in enumerate(x[5]):
+                        cols[kind][i].append((v - x[3] - statistics.fmean(b8)) / spread)
+    return [
+        f"{k}, steps 1-8: " + " ".join(f"{statistics.fmean(c):+.2f}" if c else "-" for c in v) for k, v in cols.items()
+    ]
+
+
+def per_trace(runs: list[dict]) -> list[str]:
+    """Per forward slot trace: its 8-step looks' mean level less its 8-step brackets' (ms, +- se)."""
+    out = []
+    for r in runs:
+        for slot, rows in (r.get("miss_trace") or {}).items():
+            looks = [x[2] - x[3] for x in rows if x[0] == "recheck" and len(x) > 5 and len(x[5]) == 8]
+            brackets = [x[2] - x[3] for x in rows if x[0] == "bracket" and len(x) > 5 and len(x[5]) == 8]
+            if slot.endswith("fwd") and len(looks) >= 4 and len(brackets) >= 4:
+                d = statistics.fmean(looks) - statistics.fmean(brackets)
+                se = math.sqrt(statistics.variance(looks) / len(looks) + statistics.variance(brackets) / len(brackets))
+                out.append(f"seed {r.get('seed')} {slot}: looks less brackets {d:+.3f} +- {se:.3f} ms")
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("paths", nargs="+", help="search_on_real_steps.json files or folders holding them")
+    p.add_argument("--work-ms", type=float, default=2.0, help="a gap this long or longer follows the search's work")
+    a = p.parse_args(argv)
+    runs = load_or_say(a.paths)
+    print("\n".join(table(runs, SearchOptions.bracket_every, a.work_ms)))
+    print("\n".join(step_profile(runs, SearchOptions.bracket_every, a.work_ms)))
+    print("\n".join(per_trace(runs)))
+    for f in {r["file"] for r in runs}:  # and the runs of search_on_real_steps.py --precedent
+        if pairs := json.loads(Path(f).read_text()).get("precedent"):
+            print(f"\n{f}: {len(pairs)} pairs of trials, the first right after the work, the second right after it")
+            print("\n".join(summary_lines(summarize(pairs))))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""What a trial follows: with ``even_brackets`` a later look's bracket follows the same judging of the search's as the
+look (the trials themselves do not change), and ``trial_precedent.record`` sets a trial right after some work against
+the trial right after it (benchmarks/studies/trial_precedent.py, run on real steps by search_on_real_steps.py)."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_tp_overlap.engine import looks, search
+from megatron_tp_overlap.engine.search import Measurement, SearchOptions
+from megatron_tp_overlap.tools.research import decision_sim as sim
+
+STUDIES = Path(__file__).resolve().parents[1] / "benchmarks" / "studies"
+sys.path.insert(0, str(STUDIES))
+spec = importlib.util.spec_from_file_location("trial_precedent", STUDIES / "trial_precedent.py")
+tp = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(tp)
+
+
+def _traced(monkeypatch, even: int) -> tuple[sim.Outcome, list[tuple[str, str, int, int]]]:
+    """decision_sim hostglm seed 57 (later looks and runners-up): per trial (phase, config, steps, the looks judged
+    since the trial before)."""
+    judged, trials = [0], []
+    bounds, run = looks.Looks._look_bounds, search.Searcher._run
+
+    def counted(self, *a, **k):
+        judged[0] += 1
+        return bounds(self, *a, **k)
+
+    def logged(self, phase, config, tested, steps, *a, **k):
+        trials.append((phase, config.describe(), steps, judged[0]))
+        judged[0] = 0
+        return run(self, phase, config, tested, steps, *a, **k)
+
+    monkeypatch.setattr(looks.Looks, "_look_bounds", counted)
+    monkeypatch.setattr(search.Searcher, "_run", logged)
+    out = sim.run_once("hostglm", sim.seed_gain(57), sim.GAIN_SEED + 57, SearchOptions(even_brackets=even))
+    monkeypatch.undo()
+    return out, trials
+
+
+def test_a_later_looks_bracket_follows_the_same_judging_as_the_look_and_the_trials_stay_the_same(monkeypatch):
+    off, before = _traced(monkeypatch, 0)
+    on, after = _traced(monkeypatch, 1)
+    assert [t[:3] for t in after] == [t[:3] for t in before] and len(after) == 309
+    assert (on.realized, on.choices) == (off.realized, off.choices)
+
+    def judged_before_brackets(trials):  # of the brackets right after a look: how many had looks judged before them
+        b = [t[3] for prev, t in zip(trials, trials[1:]) if t[0] == "bracket" and prev[0] == "recheck"]
+        return len(b), sum(x > 0 for x in b)
+
+    # off: every bracket right after its look; on: the later looks' and the runners-up's 41 after the judging (the
+    # first looks' 3, measured together, as before)
+    assert judged_before_brackets(before) == (44, 0) and judged_before_brackets(after) == (44, 41)
+
+
+class _Fake:
+    """RealSteps' interface: a slot reads 0.3 ms more in the trial right after ``hot`` work, 1 ms otherwise."""
+
+    def __init__(self) -> None:
+        self.hot, self.live, self.calls = False, None, 0
+
+    def start(self, world) -> None:
+        self.world = world
+
+    def __call__(self, config, steps: int, warmup: int) -> Measurement:
+        ms, self.hot, self.calls = 1.3 if self.hot else 1.0, False, self.calls + 1
+        return Measurement({"qkv.fwd": [ms] * steps, "fc1.bwd": [2.0] * steps}, [50.0] * steps, 0.0, steps + warmup)
+
+
+def test_record_sets_the_trial_right_after_each_work_against_the_next_and_rotates_the_order():
+    fake = _Fake()
+    works = {"none": lambda ms: None, "python": lambda ms: setattr(fake, "hot", True)}
+    pairs = tp.record(fake, 3, 20.0, steps=4, works=works)
+    assert [p["kind"] for p in pairs] == ["none", "python", "python", "none", "none", "python"] and fake.calls == 12
+    got = tp.summarize(pairs)
+    assert got["qkv.fwd"]["python"][0] == pytest.approx(0.3) and got["qkv.fwd"]["none"] == [0.0, 0.0]
+    assert got["fc1.bwd"] == {"none": [0.0, 0.0], "python": [0.0, 0.0]}
+    lines = tp.summary_lines(got)
+    assert (
+        lines[0] == "| slot | after none, ms | after python, ms |"
+        and "| qkv.fwd | +0.0000 +- 0.0000 | +0.3000" in lines[2]
+    )
