@@ -3,6 +3,7 @@ look (the trials themselves do not change), and ``trial_precedent.record`` sets 
 the trial right after it (benchmarks/studies/trial_precedent.py, run on real steps by search_on_real_steps.py)."""
 
 import importlib.util
+import statistics
 import sys
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from megatron_tp_overlap.tools.research import decision_sim as sim
 STUDIES = Path(__file__).resolve().parents[1] / "benchmarks" / "studies"
 sys.path.insert(0, str(STUDIES))
 spec = importlib.util.spec_from_file_location("trial_precedent", STUDIES / "trial_precedent.py")
-tp = importlib.util.module_from_spec(spec)
+tp = sys.modules["trial_precedent"] = importlib.util.module_from_spec(spec)  # its dataclass looks itself up
 spec.loader.exec_module(tp)
 
 
@@ -72,14 +73,41 @@ class _Fake:
 
 def test_record_sets_the_trial_right_after_each_work_against_the_next_and_rotates_the_order():
     fake = _Fake()
-    works = {"none": lambda ms: None, "python": lambda ms: setattr(fake, "hot", True)}
+    hot = lambda ms: setattr(fake, "hot", True)  # noqa: E731
+    works = {"none": tp.Work(lambda ms: None), "python": tp.Work(hot)}
     pairs = tp.record(fake, 3, 20.0, steps=4, works=works)
     assert [p["kind"] for p in pairs] == ["none", "python", "python", "none", "none", "python"] and fake.calls == 12
     got = tp.summarize(pairs)
     assert got["qkv.fwd"]["python"][0] == pytest.approx(0.3) and got["qkv.fwd"]["none"] == [0.0, 0.0]
     assert got["fc1.bwd"] == {"none": [0.0, 0.0], "python": [0.0, 0.0]}
+    # a settle trial takes the work's effect (here: the fake's one hot trial); without a switch the trials continue
+    fake = _Fake()
+    pairs = tp.record(
+        fake, 2, 20.0, steps=4, works={"settled": tp.Work(hot, settle=True), "still": tp.Work(hot, False)}
+    )
+    assert tp.summarize(pairs)["qkv.fwd"] == {"settled": [0.0, 0.0], "still": [pytest.approx(0.3), 0.0]}
+    assert fake.calls == 2 * (1 + 2) + 2 * (1 + 2)  # a settle trial, or a warm trial before the work, and the pair
     lines = tp.summary_lines(got)
     assert (
         lines[0] == "| slot | after none, ms | after python, ms |"
         and "| qkv.fwd | +0.0000 +- 0.0000 | +0.3000" in lines[2]
+    )
+
+
+def test_decision_blocks_sets_the_first_reference_block_of_each_quadruple_against_its_last():
+    """Quadruples A B B A of 3-step blocks; from the 7th the first follows the decision's judging: here 0.2 ms slower."""
+    blocks = []
+    for q in range(10):
+        first = 10.2 if q >= 6 else 10.0
+        blocks += [["reference", 0, first], ["autotuned", 1, 10.0], ["autotuned", 0, 10.0], ["reference", 1, 10.0]]
+    ref = [b[2] for b in blocks if b[0] == "reference"]
+    quiet, judged = tp.decision_blocks([{"confirm_blocks": blocks + [["first pass", 1, 9.0]]}])
+    assert (
+        quiet
+        == "final decision, quadruples 2-6 (no judging before): first less last reference block +0.000 +- 0.000 spreads (n=5)"
+    )
+    spreads = f"{0.2 / statistics.pstdev(ref):+.3f}"
+    assert (
+        judged
+        == f"final decision, quadruples 7+ (after judging): first less last reference block {spreads} +- 0.000 spreads (n=4)"
     )

@@ -534,7 +534,7 @@ def test_trial_precedent_sets_trials_after_the_searchs_work_against_those_after_
     since the last) against one right after another trial, each against the same-length brackets; a trace's host
     gap, where it has one, decides instead of the order."""
     spec = importlib.util.spec_from_file_location("trial_precedent", PATH.parent / "trial_precedent.py")
-    tp = importlib.util.module_from_spec(spec)
+    tp = sys.modules["trial_precedent"] = importlib.util.module_from_spec(spec)  # its dataclass looks itself up
     spec.loader.exec_module(tp)
 
     def row(phase: str, i: int, ms: float, gap: float | None = None) -> list:

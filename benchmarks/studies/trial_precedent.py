@@ -24,6 +24,7 @@ switch: the first right after the work, the second right after the first (as a l
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -54,18 +55,32 @@ def _numpy(ms: float) -> None:  # array work (the racing's pooled spreads)
         np.sort(a * 1.0001).std()
 
 
-WORKS: dict[str, Callable[[float], None]] = {
-    "none": lambda ms: None,
-    "sleep": lambda ms: time.sleep(ms / 1000),  # the same gap, no work
-    "python": _python,
-    "numpy": _numpy,
+@dataclasses.dataclass(frozen=True)
+class Work:
+    """One kind of what runs before a pair of trials: ``run(ms)``; ``switch``: each trial after a switch (as a look and
+    its bracket; False: the trials continue the config, as the final decision's first block after its judging);
+    ``settle``: one unrecorded 1-step trial after the work first (would a short trial absorb it?)."""
+
+    run: Callable[[float], None]
+    switch: bool = True
+    settle: bool = False
+
+
+WORKS: dict[str, Work] = {
+    "none": Work(lambda ms: None),
+    "sleep": Work(lambda ms: time.sleep(ms / 1000)),  # the same gap, no work
+    "python": Work(_python),
+    "numpy": Work(_numpy),
+    "python, settled": Work(_python, settle=True),
+    "none, no switch": Work(lambda ms: None, switch=False),
+    "python, no switch": Work(_python, switch=False),
 }
 
 
-def record(real, rounds: int, work_ms: float, steps: int = 8, works: dict | None = None) -> list[dict]:
+def record(real, rounds: int, work_ms: float, steps: int = 8, works: dict[str, Work] | None = None) -> list[dict]:
     """``rounds`` rounds on ``real`` (search_on_real_steps.RealSteps, an equal world, no cost put in): per kind of
-    ``works`` (in turn, the order rotating by round), the work, then two trials of ``steps`` measured steps (1 warm-up),
-    each after a switch. Per pair: the kind and each trial's per-slot median ms."""
+    ``works`` (in turn, the order rotating by round), the work, then two trials of ``steps`` measured steps (1 warm-up
+    after a switch, none without). Per pair: the kind and each trial's per-slot median ms."""
     import random
 
     from megatron_tp_overlap.engine.space import TuningConfig, build_space
@@ -78,11 +93,19 @@ def record(real, rounds: int, work_ms: float, steps: int = 8, works: dict | None
     out, kinds = [], list(works)
     for r in range(rounds):
         for kind in kinds[r % len(kinds) :] + kinds[: r % len(kinds)]:
-            works[kind](work_ms)
+            w = works[kind]
+            real.live = None if w.switch else ref  # "no switch": the config is already live
+            if not w.switch:
+                real(ref, 1, 1)  # ... and warm: its last steps ran right before the work
+            w.run(work_ms)
+            if w.settle:
+                real.live = None
+                real(ref, 1, 0)
             pair = []
             for _ in range(2):
-                real.live = None  # a switch before each trial, as between a look and its bracket
-                m = real(ref, steps, 1)
+                if w.switch:
+                    real.live = None  # a switch before each trial, as between a look and its bracket
+                m = real(ref, steps, 1 if w.switch else 0)
                 pair.append({s: statistics.median(v) for s, v in m.slot_ms.items() if v})
             out.append({"kind": kind, "after_work": pair[0], "after_trial": pair[1]})
     return out
@@ -199,6 +222,32 @@ def per_trace(runs: list[dict]) -> list[str]:
     return out
 
 
+def decision_blocks(runs: list[dict]) -> list[str]:
+    """The final decision (``confirm_blocks`` of its first two configs, quadruples A B B A): per quadruple, its first
+    reference block less its last, in units of the reference blocks' spread. From the 7th quadruple on the first
+    follows the decision's judging (it looks after each from the 6th) and continues the config without a switch."""
+    out: dict[str, list[float]] = {"quadruples 2-6 (no judging before)": [], "quadruples 7+ (after judging)": []}
+    for r in runs:
+        blocks, names = [], []
+        for b in r.get("confirm_blocks") or []:
+            names += [b[0]] if b[0] not in names else []
+            if len(names) > 2:
+                break
+            blocks.append(b)
+        ref = [b[2] for b in blocks if b[0] == blocks[0][0]] if blocks else []
+        spread = statistics.pstdev(ref) if len(ref) > 1 else 0.0
+        for q in range(1, len(blocks) // 4):
+            a0, a1 = blocks[4 * q], blocks[4 * q + 3]
+            if spread and a0[0] == a1[0] == blocks[0][0]:
+                out[list(out)[q >= 6]].append((a0[2] - a1[2]) / spread)
+    return [
+        f"final decision, {k}: first less last reference block {statistics.fmean(v):+.3f} +- "
+        f"{statistics.stdev(v) / math.sqrt(len(v)):.3f} spreads (n={len(v)})"
+        for k, v in out.items()
+        if len(v) > 1
+    ]
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("paths", nargs="+", help="search_on_real_steps.json files or folders holding them")
@@ -208,6 +257,7 @@ def main(argv: list[str] | None = None) -> None:
     print("\n".join(table(runs, SearchOptions.bracket_every, a.work_ms)))
     print("\n".join(step_profile(runs, SearchOptions.bracket_every, a.work_ms)))
     print("\n".join(per_trace(runs)))
+    print("\n".join(decision_blocks(runs)))
     for f in {r["file"] for r in runs}:  # and the runs of search_on_real_steps.py --precedent
         if pairs := json.loads(Path(f).read_text()).get("precedent"):
             print(f"\n{f}: {len(pairs)} pairs of trials, the first right after the work, the second right after it")
