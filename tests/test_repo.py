@@ -46,3 +46,14 @@ def test_every_result_folder_is_reachable_from_the_index():
         if not any(n in t for n in names for t in texts):
             missing.append(str(rel))
     assert missing == []
+
+
+def test_every_tracked_shell_script_parses():
+    """``bash -n`` on each: a device call that fails on a syntax error costs a machine start."""
+    scripts = [p for p in tracked() if p.suffix == ".sh"]
+    bad = [
+        (p.name, r.stderr)
+        for p in scripts
+        if (r := subprocess.run(["bash", "-n", str(p)], capture_output=True, text=True)).returncode
+    ]
+    assert scripts and not bad, bad

@@ -199,7 +199,8 @@ def test_a_variant_takes_each_fields_type():
     [(["--common-factor", "4"], "at least 8 trials"), (["--common-factor-steps", "-1"], "at least 2"),
      (["--common-factor-steps", "1"], "at least 2"), (["--variants", "max_step=400"], "numeric SearchOptions field"),
      (["--variants", "later_look_least=2"], "must be in [0, 1]"), (["--repeat", "0"], "at least 1"),
-     (["--precedent", "-1"], "0 (not run) or more"), (["--precedent-work-ms", "0"], "more than 0 ms")],
+     (["--precedent", "-1"], "0 (not run) or more"), (["--precedent-work-ms", "0"], "more than 0 ms"),
+     (["--trace", "qkv.fwd", "attn.fwd"], "attn.fwd: not a slot")],
 )  # fmt: skip
 def test_a_bad_study_size_or_variant_gets_one_line_and_exit_2_before_any_gpu_work(flag, rule, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", [str(PATH), "--script", "pretrain_gpt.py", *flag])
@@ -333,6 +334,11 @@ def test_a_seed_that_leaves_its_gain_keeps_each_trial_of_the_slots_the_gain_was_
         assert abs(trials["in_slot_ms"] - 4.0) < 3 * trials["in_slot_se_ms"], key
     taken = sr.one_search(SimulatedReal(), 1001, 0.04)
     assert taken["miss_trace"] is None and all(taken[k] == {} for k in sr.MISS_CHECKS)  # nothing kept
+    assert taken["trace"] is None
+    # ``--trace``: the slots named keep every trial whatever the outcome, as a miss's do
+    traced = sr.one_search(SimulatedReal(), 1001, 0.04, trace=("qkv.fwd", "proj.fwd"))
+    assert traced["miss_trace"] is None and list(traced["trace"]) == ["qkv.fwd", "proj.fwd"]
+    assert len(traced["trace"]["qkv.fwd"]) == len(traced["trace"]["proj.fwd"]) > 100
     spec = importlib.util.spec_from_file_location("real_steps_bar", PATH.parent / "real_steps_bar.py")
     rb = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(rb)
@@ -557,6 +563,10 @@ def test_trial_precedent_sets_trials_after_the_searchs_work_against_those_after_
     work, brackets = tp.step_profile([{"miss_trace": {"qkv.fwd": rows}}], 4, 2.0)
     assert work == "looks after work, steps 1-8: " + " ".join([f"{0.3 / spread:+.2f}"] * 8)
     assert brackets == "brackets, steps 1-8: " + " ".join(["+0.00"] * 8)
+    assert tp.traces({"miss_trace": {"qkv.fwd": [1]}, "trace": {"qkv.fwd": [2], "proj.fwd": [3]}}) == {
+        "qkv.fwd": [2],
+        "proj.fwd": [3],
+    }  # a search's --trace rows, over its miss_trace's
     (trace,) = tp.per_trace([{"seed": 3, "miss_trace": {"qkv.fwd": rows, "fc1.bwd": rows}}])
     assert trace.startswith("seed 3 qkv.fwd: looks less brackets +0.164 +- ")  # 6 of 11 looks 0.3 ms slower
     lines = tp.table([{"miss_trace": {"qkv.fwd": rows, "fc1.bwd": rows}}], 4, 2.0)

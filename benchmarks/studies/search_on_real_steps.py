@@ -323,7 +323,9 @@ def slot_gains(real, ref, best, chosen) -> dict[str, list[float]]:
     return {s: [round(r[s] - b[s], 4), round(r[s] - c[s], 4)] for s in r if r[s] - b[s] > 0 or r[s] - c[s] != 0}
 
 
-def one_search(real: RealSteps, seed: int, gain: float, preset: bool = False, variant: str = "") -> dict:
+def one_search(
+    real: RealSteps, seed: int, gain: float, preset: bool = False, variant: str = "", trace: tuple[str, ...] = ()
+) -> dict:
     from megatron_tp_overlap.engine import heap
     from megatron_tp_overlap.engine.search import Searcher, SearchOptions
     from megatron_tp_overlap.engine.space import TuningConfig, all_off, apply, build_space
@@ -419,6 +421,10 @@ def one_search(real: RealSteps, seed: int, gain: float, preset: bool = False, va
         },
         "miss_trace": miss_trace(res.trials, traced, real.slot_excess_ms, getattr(real, "gaps_ms", None))
         if false_winner or realized is not None and realized < 0.999
+        else None,
+        # ``--trace``: the same rows for these slots in every search, whatever its outcome (trial_precedent.py)
+        "trace": miss_trace(res.trials, list(trace), real.slot_excess_ms, getattr(real, "gaps_ms", None))
+        if trace
         else None,
         # per slot the chosen config leaves a delay in, what that delay shows at its size after the search
         **(miss_checks(real, pick, missed, options) if missed else dict.fromkeys(MISS_CHECKS, {})),
@@ -534,6 +540,7 @@ def inner(
     common_factor_steps: int = 0,
     repeat: int = 1,
     precedent: tuple[int, float] = (0, 0.0),
+    trace: tuple[str, ...] = (),
 ) -> None:
     import megatron.training.training as training
     import torch
@@ -610,7 +617,7 @@ def inner(
             for v in order * repeat:
                 if time.perf_counter() - t_start > 60 * minutes:
                     break
-                rec = one_search(real, first_seed + i, gain, preset, v)
+                rec = one_search(real, first_seed + i, gain, preset, v, trace)
                 rec["wall_s"] = round(time.perf_counter() - t_start, 1)
                 result["runs"].append(rec)
                 print(f"[search_on_real_steps] {json.dumps(rec)}", flush=True)
@@ -758,6 +765,13 @@ def main() -> None:
         "kind of work read apart from one right after a trial? (trial_precedent.py)",
     )
     p.add_argument("--precedent-work-ms", type=float, default=20.0, help="each --precedent work's ms")
+    p.add_argument(
+        "--trace",
+        nargs="+",
+        default=[],
+        metavar="SLOT",
+        help="keep every trial of these slots in every search (``trace``, as ``miss_trace``), e.g. qkv.fwd proj.fwd",
+    )
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     add_trial_microbatches(p)
     p.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
@@ -771,6 +785,11 @@ def main() -> None:
     if a.precedent < 0 or a.precedent_work_ms <= 0:
         bad = f"--precedent {a.precedent}: must be 0 (not run) or more rounds" if a.precedent < 0 else ""
         print(bad or f"--precedent-work-ms {a.precedent_work_ms}: must be more than 0 ms", file=sys.stderr)
+        sys.exit(2)
+    from megatron_tp_overlap.tools.research.decision_sim import SLOTS
+
+    if unknown := [s for s in a.trace if s not in SLOTS]:
+        print(f"--trace {' '.join(unknown)}: not a slot; slots are {', '.join(SLOTS)}", file=sys.stderr)
         sys.exit(2)
     if a.repeat < 1:
         print(f"--repeat {a.repeat}: must be at least 1 (searches of each world)", file=sys.stderr)
@@ -792,6 +811,7 @@ def main() -> None:
             a.common_factor_steps,
             a.repeat,
             (a.precedent, a.precedent_work_ms),
+            tuple(a.trace),
         )
         return
     from megatron_autotune import FP8_ARGS, one_gpu_args, parse_model_shape
@@ -805,6 +825,7 @@ def main() -> None:
     cmd += ["--runs", str(a.runs), "--minutes", str(a.minutes), "--idle-s", str(a.idle_s)]
     cmd += ["--common-factor", str(a.common_factor), "--common-factor-steps", str(a.common_factor_steps)]
     cmd += ["--repeat", str(a.repeat), "--precedent", str(a.precedent), "--precedent-work-ms", str(a.precedent_work_ms)]
+    cmd += ["--trace", *a.trace] if a.trace else []
     variants = a.variants + [f"select_passes={n}" for n in a.select_passes]
     for v in variants:
         try:

@@ -3,7 +3,7 @@
     python benchmarks/studies/trial_precedent.py DIR_OR_JSON [...]
 
 Reads the ``miss_trace`` of every ``search_on_real_steps.json`` under the paths (every trial of a seed that left a gain
-or named a false winner, in the slots concerned) and sets each trial's level, its median ms less the delay put in for
+or named a false winner, in the slots concerned; with ``--trace SLOT ...``, ``trace``: those slots in every search) and sets each trial's level, its median ms less the delay put in for
 its config, against the mean level of the incumbent's brackets of the same length in that search and slot, in units
 of the slot's spread of levels (the standard deviation over its trials of 4 steps or more). The search compares an
 option with those brackets, so a level apart from them is read as a gain or a loss the option does not have.
@@ -131,6 +131,11 @@ def summary_lines(summary: dict[str, dict[str, list[float]]]) -> list[str]:
     return lines
 
 
+def traces(run: dict) -> dict[str, list[list]]:
+    """A run's traced slots: ``trace`` (``--trace``: every search) over ``miss_trace`` (misses, false winners)."""
+    return {**(run.get("miss_trace") or {}), **(run.get("trace") or {})}
+
+
 def precedents(rows: list[list], bracket_every: int, work_ms: float) -> list[str]:
     """Per row of one slot's trace, in the order the trials ran: "work" or "trial" (what ran right before it)."""
     out, since, closing = [], 0, False
@@ -166,7 +171,7 @@ def table(runs: list[dict], bracket_every: int, work_ms: float) -> list[str]:
     """The pooled table: per slot kind, phase and precedent, trials and their mean level (spread units) +- se."""
     pooled: dict[tuple[str, str, str], list[float]] = defaultdict(list)
     for r in runs:
-        for slot, rows in (r.get("miss_trace") or {}).items():
+        for slot, rows in traces(r).items():
             if rows and len(rows[0]) >= 6:  # the per-step samples (since the thirty-fourth session)
                 for (label, p), v in levels(rows, bracket_every, work_ms).items():
                     pooled[("forward" if slot.endswith("fwd") else "backward", label, p)] += v
@@ -188,7 +193,7 @@ def step_profile(runs: list[dict], bracket_every: int, work_ms: float) -> list[s
         "brackets": [[] for _ in range(8)],
     }
     for r in runs:
-        for slot, rows in (r.get("miss_trace") or {}).items():
+        for slot, rows in traces(r).items():
             if not slot.endswith("fwd") or not rows or len(rows[0]) < 6:
                 continue
             rows = sorted(rows, key=lambda x: x[1])
@@ -212,7 +217,7 @@ def per_trace(runs: list[dict]) -> list[str]:
     """Per forward slot trace: its 8-step looks' mean level less its 8-step brackets' (ms, +- se)."""
     out = []
     for r in runs:
-        for slot, rows in (r.get("miss_trace") or {}).items():
+        for slot, rows in traces(r).items():
             looks = [x[2] - x[3] for x in rows if x[0] == "recheck" and len(x) > 5 and len(x[5]) == 8]
             brackets = [x[2] - x[3] for x in rows if x[0] == "bracket" and len(x) > 5 and len(x[5]) == 8]
             if slot.endswith("fwd") and len(looks) >= 4 and len(brackets) >= 4:
