@@ -74,7 +74,7 @@ class _Fake:
 def test_record_sets_the_trial_right_after_each_work_against_the_next_and_rotates_the_order():
     fake = _Fake()
     hot = lambda ms: setattr(fake, "hot", True)  # noqa: E731
-    works = {"none": tp.Work(lambda ms: None), "python": tp.Work(hot)}
+    works = {"none": tp.WorkKind(lambda ms: None), "python": tp.WorkKind(hot)}
     pairs = tp.record(fake, 3, 20.0, steps=4, works=works)
     assert [p["kind"] for p in pairs] == ["none", "python", "python", "none", "none", "python"] and fake.calls == 12
     got = tp.summarize(pairs)
@@ -83,7 +83,7 @@ def test_record_sets_the_trial_right_after_each_work_against_the_next_and_rotate
     # a settle trial takes the work's effect (here: the fake's one hot trial); without a switch the trials continue
     fake = _Fake()
     pairs = tp.record(
-        fake, 2, 20.0, steps=4, works={"settled": tp.Work(hot, settle=True), "still": tp.Work(hot, False)}
+        fake, 2, 20.0, steps=4, works={"settled": tp.WorkKind(hot, settle=True), "still": tp.WorkKind(hot, False)}
     )
     assert tp.summarize(pairs)["qkv.fwd"] == {"settled": [0.0, 0.0], "still": [pytest.approx(0.3), 0.0]}
     assert fake.calls == 2 * (1 + 2) + 2 * (1 + 2)  # a settle trial, or a warm trial before the work, and the pair

@@ -574,3 +574,19 @@ def test_trial_precedent_sets_trials_after_the_searchs_work_against_those_after_
         lines[2].startswith("| backward | looks (8 steps) | trial | 5 | ")
         and "| forward | looks (8 steps) | work | 6 |" in lines[5]
     )
+
+
+def test_trace_takes_an_moe_models_shared_expert_slots(monkeypatch):
+    """``--trace`` knows the dense slots and an MoE layer's shared experts' (topology.SHARED_PREFIX): it goes on to the
+    GPU job, where a slot it does not know ends in one line before (the parametrized test above)."""
+
+    class Started(Exception):
+        pass
+
+    def start(*a, **k):
+        raise Started
+
+    monkeypatch.setattr(sys, "argv", [str(PATH), "--script", "pretrain_gpt.py", "--trace", "shared_fc1.fwd", "qkv.fwd"])
+    monkeypatch.setattr(sr.subprocess, "run", start)
+    with pytest.raises(Started):
+        sr.main()

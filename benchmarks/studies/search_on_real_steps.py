@@ -134,6 +134,7 @@ class RealSteps:
         self.idle_s, self.scale = idle_s, scale
         self.world, self.live, self.t0, self.switches = None, None, 0.0, 0
         self.gaps_ms: list[float] = []  # per call, the host ms since the last call ended: the search's own work
+        self.ended = 0.0  # when the last call ended (perf_counter s)
 
     def start(self, world) -> None:
         self.world, self.live, self.t0, self.switches = world, None, time.perf_counter(), 0
@@ -192,7 +193,7 @@ class RealSteps:
         from megatron_tp_overlap.engine.search import Measurement
 
         t = time.perf_counter()
-        self.gaps_ms.append(round(1000 * (t - getattr(self, "ended", t)), 2))
+        self.gaps_ms.append(round(1000 * (t - self.ended), 2))
         if config != self.live:
             simulated_switch(self.idle_s)
             self.delays.set(self.slot_excess_ms(config))
@@ -419,13 +420,11 @@ def one_search(
             s: {k: v if isinstance(v, (int, float)) or k == "runners_up" else len(v) for k, v in c.items()}
             for s, c in res.coverage.items()
         },
-        "miss_trace": miss_trace(res.trials, traced, real.slot_excess_ms, getattr(real, "gaps_ms", None))
+        "miss_trace": miss_trace(res.trials, traced, real.slot_excess_ms, real.gaps_ms)
         if false_winner or realized is not None and realized < 0.999
         else None,
         # ``--trace``: the same rows for these slots in every search, whatever its outcome (trial_precedent.py)
-        "trace": miss_trace(res.trials, list(trace), real.slot_excess_ms, getattr(real, "gaps_ms", None))
-        if trace
-        else None,
+        "trace": miss_trace(res.trials, list(trace), real.slot_excess_ms, real.gaps_ms) if trace else None,
         # per slot the chosen config leaves a delay in, what that delay shows at its size after the search
         **(miss_checks(real, pick, missed, options) if missed else dict.fromkeys(MISS_CHECKS, {})),
     }
@@ -786,10 +785,12 @@ def main() -> None:
         bad = f"--precedent {a.precedent}: must be 0 (not run) or more rounds" if a.precedent < 0 else ""
         print(bad or f"--precedent-work-ms {a.precedent_work_ms}: must be more than 0 ms", file=sys.stderr)
         sys.exit(2)
+    from megatron_tp_overlap.engine.topology import SHARED_PREFIX
     from megatron_tp_overlap.tools.research.decision_sim import SLOTS
 
-    if unknown := [s for s in a.trace if s not in SLOTS]:
-        print(f"--trace {' '.join(unknown)}: not a slot; slots are {', '.join(SLOTS)}", file=sys.stderr)
+    known = [*SLOTS, *(SHARED_PREFIX + s for s in SLOTS if s.startswith(("fc1", "fc2")))]  # an MoE's shared experts
+    if unknown := [s for s in a.trace if s not in known]:
+        print(f"--trace {' '.join(unknown)}: not a slot; slots are {', '.join(known)}", file=sys.stderr)
         sys.exit(2)
     if a.repeat < 1:
         print(f"--repeat {a.repeat}: must be at least 1 (searches of each world)", file=sys.stderr)

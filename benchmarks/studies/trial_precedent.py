@@ -56,7 +56,7 @@ def _numpy(ms: float) -> None:  # array work (the racing's pooled spreads)
 
 
 @dataclasses.dataclass(frozen=True)
-class Work:
+class WorkKind:
     """One kind of what runs before a pair of trials: ``run(ms)``; ``switch``: each trial after a switch (as a look and
     its bracket; False: the trials continue the config, as the final decision's first block after its judging);
     ``settle``: one unrecorded 1-step trial after the work first (would a short trial absorb it?)."""
@@ -66,18 +66,18 @@ class Work:
     settle: bool = False
 
 
-WORKS: dict[str, Work] = {
-    "none": Work(lambda ms: None),
-    "sleep": Work(lambda ms: time.sleep(ms / 1000)),  # the same gap, no work
-    "python": Work(_python),
-    "numpy": Work(_numpy),
-    "python, settled": Work(_python, settle=True),
-    "none, no switch": Work(lambda ms: None, switch=False),
-    "python, no switch": Work(_python, switch=False),
+WORKS: dict[str, WorkKind] = {
+    "none": WorkKind(lambda ms: None),
+    "sleep": WorkKind(lambda ms: time.sleep(ms / 1000)),  # the same gap, no work
+    "python": WorkKind(_python),
+    "numpy": WorkKind(_numpy),
+    "python, settled": WorkKind(_python, settle=True),
+    "none, no switch": WorkKind(lambda ms: None, switch=False),
+    "python, no switch": WorkKind(_python, switch=False),
 }
 
 
-def record(real, rounds: int, work_ms: float, steps: int = 8, works: dict[str, Work] | None = None) -> list[dict]:
+def record(real, rounds: int, work_ms: float, steps: int = 8, works: dict[str, WorkKind] | None = None) -> list[dict]:
     """``rounds`` rounds on ``real`` (search_on_real_steps.RealSteps, an equal world, no cost put in): per kind of
     ``works`` (in turn, the order rotating by round), the work, then two trials of ``steps`` measured steps (1 warm-up
     after a switch, none without). Per pair: the kind and each trial's per-slot median ms."""
