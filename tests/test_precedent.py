@@ -1,6 +1,5 @@
-"""What a trial follows: with ``even_brackets`` a later look's bracket follows the same judging of the search's as the
-look (the trials themselves do not change), and ``trial_precedent.record`` sets a trial right after some work against
-the trial right after it (benchmarks/studies/trial_precedent.py, run on real steps by search_on_real_steps.py)."""
+"""What a trial follows: ``trial_precedent.record`` sets a trial right after some work against the trial right after
+it (benchmarks/studies/trial_precedent.py, run on real steps by search_on_real_steps.py)."""
 
 import importlib.util
 import statistics
@@ -9,52 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from megatron_tp_overlap.engine import looks, search
-from megatron_tp_overlap.engine.search import Measurement, SearchOptions
-from megatron_tp_overlap.tools.research import decision_sim as sim
+from megatron_tp_overlap.engine.search import Measurement
 
 STUDIES = Path(__file__).resolve().parents[1] / "benchmarks" / "studies"
 sys.path.insert(0, str(STUDIES))
 spec = importlib.util.spec_from_file_location("trial_precedent", STUDIES / "trial_precedent.py")
 tp = sys.modules["trial_precedent"] = importlib.util.module_from_spec(spec)  # its dataclass looks itself up
 spec.loader.exec_module(tp)
-
-
-def _traced(monkeypatch, even: int) -> tuple[sim.Outcome, list[tuple[str, str, int, int]]]:
-    """decision_sim hostglm seed 57 (later looks and runners-up): per trial (phase, config, steps, the looks judged
-    since the trial before)."""
-    judged, trials = [0], []
-    bounds, run = looks.Looks._look_bounds, search.Searcher._run
-
-    def counted(self, *a, **k):
-        judged[0] += 1
-        return bounds(self, *a, **k)
-
-    def logged(self, phase, config, tested, steps, *a, **k):
-        trials.append((phase, config.describe(), steps, judged[0]))
-        judged[0] = 0
-        return run(self, phase, config, tested, steps, *a, **k)
-
-    monkeypatch.setattr(looks.Looks, "_look_bounds", counted)
-    monkeypatch.setattr(search.Searcher, "_run", logged)
-    out = sim.run_once("hostglm", sim.seed_gain(57), sim.GAIN_SEED + 57, SearchOptions(even_brackets=even))
-    monkeypatch.undo()
-    return out, trials
-
-
-def test_a_later_looks_bracket_follows_the_same_judging_as_the_look_and_the_trials_stay_the_same(monkeypatch):
-    off, before = _traced(monkeypatch, 0)
-    on, after = _traced(monkeypatch, 1)
-    assert [t[:3] for t in after] == [t[:3] for t in before] and len(after) == 309
-    assert (on.realized, on.choices) == (off.realized, off.choices)
-
-    def judged_before_brackets(trials):  # of the brackets right after a look: how many had looks judged before them
-        b = [t[3] for prev, t in zip(trials, trials[1:]) if t[0] == "bracket" and prev[0] == "recheck"]
-        return len(b), sum(x > 0 for x in b)
-
-    # off: every bracket right after its look; on: the later looks' and the runners-up's 41 after the judging (the
-    # first looks' 3, measured together, as before)
-    assert judged_before_brackets(before) == (44, 0) and judged_before_brackets(after) == (44, 41)
 
 
 class _Fake:
@@ -87,6 +47,20 @@ def test_record_sets_the_trial_right_after_each_work_against_the_next_and_rotate
     )
     assert tp.summarize(pairs)["qkv.fwd"] == {"settled": [0.0, 0.0], "still": [pytest.approx(0.3), 0.0]}
     assert fake.calls == 2 * (1 + 2) + 2 * (1 + 2)  # a settle trial, or a warm trial before the work, and the pair
+    # the kinds with work pooled (``none``, the control, left out), against the trials' own spread (ms)
+    fake = _Fake()
+    pairs = tp.record(
+        fake,
+        4,
+        20.0,
+        steps=4,
+        works={"none": tp.WorkKind(lambda ms: None), "python": tp.WorkKind(lambda ms: setattr(fake, "hot", True))},
+    )
+    spread = statistics.pstdev([1.3, 1.0] * 4 + [1.0, 1.0] * 4)  # qkv.fwd: 1.3 after each python work, else 1.0
+    assert tp.pooled_lines(pairs) == [
+        f"qkv.fwd: after work (pooled, 4 pairs) +0.300 +- 0.000 ms; trials {spread:.2f} ms apart"
+    ]
+    assert tp.pooled_lines([p for p in pairs if p["kind"] == "none"]) == []
     lines = tp.summary_lines(got)
     assert (
         lines[0] == "| slot | after none, ms | after python, ms |"

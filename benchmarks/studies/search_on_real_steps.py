@@ -435,7 +435,7 @@ def miss_trace(trials: list, slots: list[str], excess_ms, gaps_ms: list[float] |
     in for the trial's config (ms), the delays put in every slot (ms, in the order of the JSON's ``slots``), the
     slot's ms per measured step, the rest of the step's (step minus every slot) ms per measured step, and, where
     ``gaps_ms`` has one per trial, the host ms between the trial before and this one (the search's own work;
-    ``trial_precedent.py``: a trial right after it read host-bound forwards 0.37 trial spreads slower)]: kept
+    ``trial_precedent.py``)]: kept
     for a seed that left a gain or named a false winner, so that its JSON tells a look that read noise from one that
     could not see a put-in cost (FP8 seed 21304 on 4 x H100 left a 0.32 ms proj_fprop gain, re-measured once, and a
     rerun took it: benchmarks/results/2026-11-26_h100x4c/), and whether the other slots' delays move the slot's own

@@ -123,6 +123,21 @@ def summarize(pairs: list[dict]) -> dict[str, dict[str, list[float]]]:
     return dict(out)
 
 
+def pooled_lines(pairs: list[dict]) -> list[str]:
+    """Per forward slot: every kind with work (not ``none...``) pooled, the first trial less the second (ms, mean +- se),
+    against the spread of the trials themselves (their standard deviation, ms)."""
+    work = [p for p in pairs if not p["kind"].startswith("none")]
+    out = []
+    for s in (s for s in pairs[0]["after_work"] if s.endswith("fwd")) if work else ():
+        d = [p["after_work"][s] - p["after_trial"][s] for p in work]
+        spread = statistics.pstdev([v for p in pairs for v in (p["after_work"][s], p["after_trial"][s])])
+        se = statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else math.nan
+        out.append(
+            f"{s}: after work (pooled, {len(d)} pairs) {statistics.fmean(d):+.3f} +- {se:.3f} ms; trials {spread:.2f} ms apart"
+        )
+    return out
+
+
 def summary_lines(summary: dict[str, dict[str, list[float]]]) -> list[str]:
     kinds = list(next(iter(summary.values()), {}))
     lines = ["| slot | " + " | ".join(f"after {k}, ms" for k in kinds) + " |", "|---|" + "---|" * len(kinds)]
@@ -260,13 +275,25 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     runs = load_or_say(a.paths)
     print("\n".join(table(runs, SearchOptions.bracket_every, a.work_ms)))
+    if len(variants := dict.fromkeys(r.get("variant") or "defaults" for r in runs)) > 1:
+        for v in variants:  # each variant of the search on its own
+            print(
+                f"\n{v}:\n"
+                + "\n".join(
+                    table(
+                        [r for r in runs if (r.get("variant") or "defaults") == v],
+                        SearchOptions.bracket_every,
+                        a.work_ms,
+                    )
+                )
+            )
     print("\n".join(step_profile(runs, SearchOptions.bracket_every, a.work_ms)))
     print("\n".join(per_trace(runs)))
     print("\n".join(decision_blocks(runs)))
     for f in {r["file"] for r in runs}:  # and the runs of search_on_real_steps.py --precedent
         if pairs := json.loads(Path(f).read_text()).get("precedent"):
             print(f"\n{f}: {len(pairs)} pairs of trials, the first right after the work, the second right after it")
-            print("\n".join(summary_lines(summarize(pairs))))
+            print("\n".join(summary_lines(summarize(pairs)) + pooled_lines(pairs)))
 
 
 if __name__ == "__main__":

@@ -91,7 +91,7 @@ class Looks:
 
         for _ in range(RECHECKS, o.max_looks):
             again = [x for x in survivors if x in raw_fresh and later(x)]
-            if not again or self._look_round(incumbent, again, raw_fresh, kept, lambda xs: [later(x) for x in xs]):
+            if not again or self._measure_options("recheck", incumbent, again, o.recheck_steps, raw_fresh, kept):
                 break
         self.budget_hit, self.limit_hit = hit  # these looks end at the reserve by design
         return survivors, raw_fresh, unhalved
@@ -134,7 +134,6 @@ class Looks:
         if against != incumbent and queue and self._can_afford(o.recheck_steps, kept()):
             self._run("bracket", against, {"*": "incumbent"}, o.recheck_steps)  # the new incumbent's first level
         turn = dict.fromkeys(queue, 0)
-        judge = lambda xs: [self._reaches(against, x, e, worth) for x in xs if (e := raw_fresh.get(x))]  # noqa: E731
         while True:
             batch = []
             for gemm in list(queue):
@@ -158,7 +157,7 @@ class Looks:
                         self.runners.add(x)
                         runners.append(x)
                     batch.append(x)
-            if not batch or self._look_round(against, batch, raw_fresh, kept, judge):
+            if not batch or self._measure_options("recheck", against, batch, o.recheck_steps, raw_fresh, kept):
                 break
         self.budget_hit, self.limit_hit = hit  # these looks end at the reserve by design
         if runners:
@@ -203,23 +202,6 @@ class Looks:
                 "choices: " + ", ".join(f"{g} ({r})" for g, r in riders.items())
             )
         return list(riders)
-
-    def _look_round(
-        self, against: TuningConfig, batch: list[Option], raw: Raw, kept, redo: Callable[[list[Option]], object]
-    ) -> int:
-        """One round of later looks at ``batch`` against ``against``, closed by its bracket; returns how many the
-        budget left untried. With ``even_brackets`` the bracket runs after ``redo``, the round's own judging again, so
-        that it follows the same work of the search's as the looks: on real H200 steps the looks right after that work
-        read host-bound forwards 0.37 trial spreads slower than their brackets (726 looks in 13 searches), the trials
-        right after another trial did not (benchmarks/studies/trial_precedent.py)."""
-        o = self.opt
-        untried = self._measure_options(
-            "recheck", against, batch, o.recheck_steps, raw, kept, close=not o.even_brackets
-        )
-        if o.even_brackets and self.trials and self.trials[-1].phase != "bracket":
-            redo(batch)
-            self._run("bracket", against, {"*": "incumbent"}, o.recheck_steps)
-        return untried
 
     def _accepts(self, incumbent: TuningConfig, opt: Option, entries: list) -> bool:
         """Whether fresh ``entries`` accept ``opt``: its gain beyond :meth:`_threshold` after that many looks."""

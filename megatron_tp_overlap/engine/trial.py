@@ -157,11 +157,6 @@ class SearchOptions:
     # (the issue's stop rule), not only while it is ahead: the same steps' truly faster proj_fprop read -0.073 ms
     # against a 0.290 ms threshold after 3 looks and was left, at 61 s of 180
     later_reach: int = 1
-    # 1: a later look's bracket follows the same work of the search's as the look (engine/looks.py ``_look_round``):
-    # on real H200 steps the trial right after that work read host-bound forwards 0.37 trial spreads apart from the
-    # trials right after another trial (results/2026-11-29_h200x1d/); 0: the bracket right after the looks. Not yet
-    # run on GPU
-    even_brackets: int = 0
     # runners-up per GEMM given fresh looks with the budget left when none of its looked-at options is accepted
     # (engine/looks.py ``_runners_up``; 0: none): in a noisy forward the luckiest of many equal options leads the racing
     runners_up: int = 3
