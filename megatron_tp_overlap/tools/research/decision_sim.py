@@ -249,22 +249,22 @@ def run_once(
     options: SearchOptions | None = None,
     preset: bool = False,
     clock: tuple[float, float, float] | None = None,
+    noise: int | None = None,
 ) -> Outcome:
     """One search on one simulated world. ``preset``: 2-3 truly faster options, and a preset-like whole config
     (:func:`preset_of`) among the contenders (as on H200: the closest NeMo preset 1-2% behind the best config).
-    ``clock``: (step s, switch s, outside s) of :class:`Clocked` instead of 0.1 s per step."""
+    ``clock``: (step s, switch s, outside s) of :class:`Clocked` instead of 0.1 s per step. ``noise``: the steps'
+    draws from this seed, the world's still from ``seed`` (benchmarks/studies/noise_streams.py)."""
     rng = random.Random(seed)
-    options = options or SearchOptions()
     space = build_space(TOPO, CTX, [UbConfig()])
     world = make_world(space, gain, rng, fewest=2 if preset else 1)
     ref = TuningConfig(UbConfig(), frozenset(), "reference")
-    run = SimulatedRun(world, scenario, rng)
-    if clock:
-        run = Clocked(run, *clock)
+    run = SimulatedRun(world, scenario, rng if noise is None else random.Random(noise))
+    run = Clocked(run, *clock) if clock else run
     baselines = {"no overlap": all_off(TOPO, ref)}
     if preset and (p := preset_of(world, space, ref)) is not None:
         baselines["preset"] = p
-    res = Searcher(TOPO, space, run, CTX, options).run(ref, baselines)
+    res = Searcher(TOPO, space, run, CTX, options or SearchOptions()).run(ref, baselines)
     ref_ms, chosen_ms = world.step_ms(ref), world.step_ms(res.best)
     best_ms = world.step_ms(best_config(world, space, ref))
     realized = (ref_ms - chosen_ms) / (ref_ms - best_ms) if ref_ms > best_ms else math.nan

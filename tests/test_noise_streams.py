@@ -1,0 +1,36 @@
+"""benchmarks/studies/noise_streams.py: decision_sim's worlds under other streams of noise (the world stays)."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+STUDIES = Path(__file__).resolve().parents[1] / "benchmarks" / "studies"
+sys.path.insert(0, str(STUDIES))
+spec = importlib.util.spec_from_file_location("noise_streams", STUDIES / "noise_streams.py")
+ns = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(ns)
+
+
+def test_seeds_are_listed_or_ranges():
+    assert ns.parse_seeds(["57", "0-2", "9"]) == [57, 0, 1, 2, 9]
+
+
+def test_stream_zero_is_the_tables_draw_and_another_stream_the_same_world_drawn_again():
+    s0, s1 = ns.one(("hostglm", 57, 0, False, {})), ns.one(("hostglm", 57, 1, False, {}))
+    assert s0[:3] == (57, 0, pytest.approx(0.6837061235, abs=1e-9))  # the table's hostglm seed 57
+    assert s1[:2] == (57, 1) and s1[2] != s0[2]  # 100% in stream 1
+    assert ns.true_gains(57) == {"fc2_fprop": 0.219, "qkv_wgrad": 0.165, "fc1_dgrad": 0.307}
+
+
+def test_summary_counts_misses_per_world_and_pools_them():
+    rows = [(57, 1, 1.0, False), (57, 0, 0.68, False), (3, 0, 1.0, False), (3, 1, 0.95, False)]
+    got = ns.summarize(rows, equal=False)
+    assert got == {57: {"realized": [0.68, 1.0], "misses": 1}, 3: {"realized": [1.0, 0.95], "misses": 0}}
+    out = ns.lines(got, False, {57: {"fc2_fprop": 0.219}})
+    assert out[2] == "| 57 | 1 of 2 | 84.0% | fc2_fprop 0.219 | 68% 100% |" and len(out) == 4
+    assert out[3] == "\n1 of 4 searches (25.0%) under 80%; 1 of 2 worlds with at least one"
+    eq = ns.summarize([(5, 0, float("nan"), True), (5, 1, float("nan"), False)], equal=True)
+    assert eq == {5: {"false_winner": [True, False], "misses": 1}}
+    assert ns.lines(eq, True)[2] == "| 5 | 1 of 2 | x . |"
