@@ -285,17 +285,29 @@ def test_runners_up_in_turn_let_a_later_one_look_before_the_budget_ends():
 def test_a_leader_ahead_within_the_noise_goes_along_with_an_accepted_choice():
     """decision_sim hostfwd seed 176: proj.fwd's trials sit 22% apart, and its true 0.153 ms ``proj_fprop`` read
     0.114 ms in 40 looks against 0.180 ms needed (2.0 standard errors once the runners-up had looked); two backward
-    gains were accepted, so the config changed anyway. Without the ride-along the search took 75.9% of the gain
-    (tests/test_paired.py); with it (``ride_along_z=1.5``, the default) it takes all of it, within the budget, and the
-    choice says how far ahead it was."""
+    gains were accepted, so the config changed anyway. Without the ride-along (the default since the forty-fifth
+    session) the search takes 75.9% of the gain (tests/test_paired.py); with it (``ride_along_z=1.5``) all of it,
+    within the budget, and the choice says how far ahead it was. Why it is off: hostglm world 139 under another stream
+    of noise (benchmarks/studies/noise_streams.py, stream 3), where an equal ``proj_fprop`` rides along with a true
+    0.507 ms ``fc1_wgrad`` and the final decision over both slots keeps the reference: 0% with the ride, 100% without
+    (benchmarks/studies/noise_streams.py's own test takes that world at the defaults)."""
+    ride = SearchOptions(ride_along_z=1.5)
     gain, world = sim.seed_gain(176), sim.GAIN_SEED + 176
-    out = sim.run_once("hostfwd", gain, world)
+    out = sim.run_once("hostfwd", gain, world, ride)
+    sunk = sim.run_once(
+        "hostglm", sim.seed_gain(139), sim.GAIN_SEED + 139, ride, noise=1000 * (sim.GAIN_SEED + 139) + 3
+    )
+    assert (
+        sunk.realized == 0.0
+        and sunk.choices["proj_fprop"]["rides_along"]
+        and sunk.choices["proj_fprop"]["true_ms"] == 0
+    )
     took = out.choices["proj_fprop"]
     assert out.realized == 1.0 and took["accepted"] and took["rides_along"] and took["true_ms"] > 0.15, out
     assert (
         took["note"] == "ahead within the noise (+0.114 ms, 2.0 standard errors)" and took["gain_ms"] < took["noise_ms"]
     )
-    assert out.seconds <= SearchOptions().max_seconds
+    assert out.seconds <= SearchOptions().max_seconds and SearchOptions().ride_along_z == 0.0
     with pytest.raises(ValueError, match="ride_along_z = -1.0: must be >= 0"):
         SearchOptions(ride_along_z=-1.0)
 
@@ -307,7 +319,7 @@ def test_nothing_rides_along_without_an_accepted_choice_nor_under_a_quarter_of_a
     nor one 1.4 standard errors ahead, nor one whose single look has no spread to tell the noise by."""
 
     class Stub:
-        opt, lines = SearchOptions(), []
+        opt, lines = SearchOptions(ride_along_z=1.5), []
         _ride_along = Looks._ride_along
 
         def _worth(self, incumbent):

@@ -8,7 +8,8 @@ quarter of a gain worth a switch, one the racing put ahead beyond the noise whil
 or one whose interval still reaches a gain worth a switch (``later_reach``). A leader's standard error from its looks
 is at least their own spread (``look_spread``). A GEMM with no looked-at option accepted then gives fresh looks to
 its best raced runners-up with what the budget has left (``runners_up``). Once a choice is accepted, a leader ahead
-within the noise goes along with it (``ride_along_z``). Every choice still goes through the final decision.
+within the noise can go along with it (``ride_along_z``; off by default). Every choice still goes through the final
+decision.
 """
 
 from __future__ import annotations

@@ -195,8 +195,12 @@ class SearchOptions:
     # by this many standard errors of its looks and by a quarter of a gain worth a switch, under its threshold, goes
     # along with it; the final decision tests the whole config (decision_sim hostfwd seed 176: a true 0.153 ms
     # proj_fprop read 0.114 +- 0.06 ms in 40 looks against 0.180 needed, beside two accepted backward gains: 75.9 ->
-    # 100%). At 1.0 without the quarter 122 truly equal leaders rode along in 160 gain worlds, at these 10; 0: off
-    ride_along_z: float = 1.5
+    # 100%). At 1.0 without the quarter 122 truly equal leaders rode along in 160 gain worlds, at 1.5 10. 0 (off, the
+    # default since the forty-fifth session): over decision_sim's hostglm and hostfwd worlds under 4 streams of noise
+    # (1600 searches, benchmarks/studies/noise_streams.py) it changed two outcomes, 176 75.9 -> 100% and hostglm 139
+    # 100 -> 0% (an equal proj_fprop rode along with a 0.507 ms fc1_wgrad, and the final decision over both slots kept
+    # the reference); on real steps both riders were truly equal (27401, 27500: results/2026-11-29_h200x1c/)
+    ride_along_z: float = 0.0
     max_exhaustive: int = 512
 
     def __post_init__(self) -> None:
