@@ -33,3 +33,20 @@ def test_summary_counts_misses_per_world_and_pools_them():
     eq = ns.summarize([(5, 0, float("nan"), True), (5, 1, float("nan"), False)], equal=True)
     assert eq == {5: {"false_winner": [True, False], "misses": 1}}
     assert ns.lines(eq, True)[2] == "| 5 | 1 of 2 | x . |"
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--variants", "nope=1"], "--variants 'nope=1'"),
+        (["--variants", "ride_along_z=-1"], "ride_along_z = -1.0: must be >= 0"),
+        (["--seeds", "5-x"], "--seeds 5-x: "),
+        (["--streams", "0"], "--streams 0 --jobs 1: each must be at least 1"),
+    ],
+)
+def test_a_bad_input_gets_one_line_and_exit_2_before_any_search(args, says, capsys, monkeypatch):
+    monkeypatch.setattr(ns, "one", lambda job: pytest.fail("searched"))
+    with pytest.raises(SystemExit) as e:
+        ns.main(args)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and says in err[-1] and ": error: " in err[-1], err

@@ -304,6 +304,8 @@ def test_the_bar_over_many_results_counts_seeds_per_dtype_and_says_what_is_not_m
     kinds = ("rebase_runners_up=0", "defaults", "z=2.5,rest_norm=0")
     same = [{**r, "dtype": "bf16", "variant": v} for r in bf16 for v in kinds]
     assert [(r["variant"], r["searches"]) for r in rb.bar(same, 3, 0.7, 60.0)] == [("defaults", 6), ("rest_norm=0", 3)]
+    # an option since removed stays as written (2026-11-29_h200x1e's even_brackets=1 searches)
+    assert rb.options_changed({"variant": "even_brackets=1,rest_guard=1"}) == "even_brackets=1"
     assert rb.main([str(tmp_path / "missing")]) == 2 and "no search_on_real_steps.json" in capsys.readouterr().err
     (tmp_path / "a.log").write_text("[suite] a: rc=0\n")  # a glob like r2/search46_* also gives the logs
     assert rb.main([str(tmp_path / "a"), str(tmp_path / "a.log")]) == 2

@@ -10,8 +10,8 @@ same). Stream 0 is the table's own draw of the steps; stream ``k > 0`` draws the
 how many streams took under 80% of the gain (``--equal``: named a false winner). A world that misses in most streams
 is hard by its shape (a small gain in a noisy slot); one that misses in its own stream only was unlucky there. The
 table's worst seed is the worst draw over its 200 worlds, so a rule is judged by its miss rate over the hard worlds'
-streams, not by whether it flips one seed. ``--set KEY=VALUE``: search options other than the defaults, as
-decision_sim's.
+streams, not by whether it flips one seed. ``--variants KEY=NUMBER[,KEY=NUMBER] ...``: search options other than
+the defaults, a survey each (``search_on_real_steps.parse_variant``).
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ import json
 import statistics
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+
+from search_on_real_steps import parse_variant  # the study's own (this folder is on sys.path)
 
 from megatron_tp_overlap.engine.search import SearchOptions
 from megatron_tp_overlap.tools.research import decision_sim as sim
@@ -112,22 +114,35 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seeds", nargs="+", default=["57", "123", "176"], help="table seeds, e.g. 57 123 or 0-199")
     p.add_argument("--streams", type=int, default=12, help="noise streams per world (stream 0: the table's own)")
     p.add_argument("--equal", action="store_true", help="the equal worlds of these seeds (false winners)")
-    p.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="search options other than the defaults")
+    p.add_argument(
+        "--variants",
+        nargs="+",
+        default=[""],
+        metavar="KEY=NUMBER[,KEY=NUMBER]",
+        help="search options other than the defaults, one survey each, e.g. ride_along_z=1.5 (as search_on_real_steps)",
+    )
     p.add_argument("--jobs", type=int, default=1, help="processes")
-    p.add_argument("--out", help="write the rows and the summary here (JSON)")
+    p.add_argument("--out", help="write each variant's rows and summary here (JSON)")
     a = p.parse_args(argv)
-    options = {k: float(v) if "." in v else int(v) for k, v in (kv.split("=", 1) for kv in a.set)}
-    SearchOptions(**options)  # a bad key fails here, before any search
-    seeds = parse_seeds(a.seeds)
-    jobs = [(a.scenario, s, k, a.equal, options) for s in seeds for k in range(a.streams)]
-    with ProcessPoolExecutor(a.jobs) as ex:
-        rows = list(ex.map(one, jobs, chunksize=4))
-    summary = summarize(rows, a.equal)
-    gains = None if a.equal else {s: true_gains(s) for s, v in summary.items() if v["misses"]}
-    print(f"decision_sim {a.scenario}, {len(seeds)} worlds x {a.streams} streams, options {options or 'the defaults'}")
-    print("\n".join(lines(summary, a.equal, gains)))
+    try:  # every bad input in one line, before any search
+        seeds = parse_seeds(a.seeds)
+        variants = {v: parse_variant(v) for v in a.variants}
+    except ValueError as e:
+        p.error(str(e) if "--variants" in str(e) else f"--seeds {' '.join(a.seeds)}: {e} (numbers, or ranges as 0-199)")
+    if a.streams < 1 or a.jobs < 1:
+        p.error(f"--streams {a.streams} --jobs {a.jobs}: each must be at least 1")
+    out = {}
+    for v, options in variants.items():
+        jobs = [(a.scenario, s, k, a.equal, options) for s in seeds for k in range(a.streams)]
+        with ProcessPoolExecutor(a.jobs) as ex:
+            rows = list(ex.map(one, jobs, chunksize=4))
+        summary = summarize(rows, a.equal)
+        gains = None if a.equal else {s: true_gains(s) for s, x in summary.items() if x["misses"]}
+        print(f"decision_sim {a.scenario}, {len(seeds)} worlds x {a.streams} streams, options {v or 'the defaults'}")
+        print("\n".join(lines(summary, a.equal, gains)) + "\n")
+        out[v or "defaults"] = {"options": options, "rows": rows, "summary": summary}
     if a.out:
-        Path(a.out).write_text(json.dumps({"options": options, "rows": rows, "summary": summary}, indent=1) + "\n")
+        Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ thirty-fourth session) what it showed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -121,10 +122,12 @@ def shown_lines(runs: list[dict]) -> list[str]:
 
 def options_changed(run: dict) -> str:
     """The run's variant without the settings it gives their default values ("defaults" when none is left): a
-    ``--variants rebase_runners_up=0`` search is the defaults' search, and pools with them."""
-    default = SearchOptions()
+    ``--variants rebase_runners_up=0`` search is the defaults' search, and pools with them. A setting of an option
+    since removed (``even_brackets``, forty-fifth session) stays as written: that search was not the defaults'."""
+    default, fields = SearchOptions(), {f.name for f in dataclasses.fields(SearchOptions)}
     parts = [kv for kv in (run.get("variant") or "").split(",") if kv and kv != "defaults"]  # as earlier trees wrote
-    keys = [kv for kv in parts if parse_variant(kv)[k := kv.partition("=")[0]] != getattr(default, k)]
+    gone = lambda k: k not in fields  # noqa: E731
+    keys = [kv for kv in parts if gone(k := kv.partition("=")[0]) or parse_variant(kv)[k] != getattr(default, k)]
     return ",".join(keys) or "defaults"
 
 

@@ -33,7 +33,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 
-from real_steps_bar import load_or_say  # the study's own (this folder is on sys.path)
+from real_steps_bar import load_or_say, options_changed  # the study's own (this folder is on sys.path)
 
 from megatron_tp_overlap.engine.search import SearchOptions
 
@@ -275,13 +275,13 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     runs = load_or_say(a.paths)
     print("\n".join(table(runs, SearchOptions.bracket_every, a.work_ms)))
-    if len(variants := dict.fromkeys(r.get("variant") or "defaults" for r in runs)) > 1:
+    if len(variants := dict.fromkeys(map(options_changed, runs))) > 1:
         for v in variants:  # each variant of the search on its own
             print(
                 f"\n{v}:\n"
                 + "\n".join(
                     table(
-                        [r for r in runs if (r.get("variant") or "defaults") == v],
+                        [r for r in runs if options_changed(r) == v],
                         SearchOptions.bracket_every,
                         a.work_ms,
                     )
