@@ -21,18 +21,28 @@ def test_stream_zero_is_the_tables_draw_and_another_stream_the_same_world_drawn_
     assert ns.one(("hostglm", 57, 0, False, {}))[:3] == (57, 0, pytest.approx(0.6837061235, abs=1e-9))  # the table's
     # world 139 (one 0.507 ms fc1_wgrad) under stream 3, where the ride-along sank it to 0% (tests/test_looks.py)
     assert ns.one(("hostglm", 139, 3, False, {}))[:3] == (139, 3, 1.0) and ns.true_gains(139) == {"fc1_wgrad": 0.507}
+    # an equal world: one equal fc2_fprop choice accepted after one look, and passed by the final decision
+    assert ns.one(("hostglm", 134, 3, True, {}))[3:] == (True, 1)
 
 
 def test_summary_counts_misses_per_world_and_pools_them():
-    rows = [(57, 1, 1.0, False), (57, 0, 0.68, False), (3, 0, 1.0, False), (3, 1, 0.95, False)]
+    rows = [(57, 1, 1.0, False, 2), (57, 0, 0.68, False, 1), (3, 0, 1.0, False, 1), (3, 1, 0.95, False, 1)]
     got = ns.summarize(rows, equal=False)
     assert got == {57: {"realized": [0.68, 1.0], "misses": 1}, 3: {"realized": [1.0, 0.95], "misses": 0}}
     out = ns.lines(got, False, {57: {"fc2_fprop": 0.219}})
     assert out[2] == "| 57 | 1 of 2 | 84.0% | fc2_fprop 0.219 | 68% 100% |" and len(out) == 4
     assert out[3] == "\n1 of 4 searches (25.0%) under 80%; 1 of 2 worlds with at least one"
-    eq = ns.summarize([(5, 0, float("nan"), True), (5, 1, float("nan"), False)], equal=True)
-    assert eq == {5: {"false_winner": [True, False], "misses": 1}}
-    assert ns.lines(eq, True)[2] == "| 5 | 1 of 2 | x . |"
+    nan = float("nan")
+    eq = ns.summarize([(5, 0, nan, True, 2), (5, 1, nan, False, 0), (6, 0, nan, False, 1), (6, 1, nan, False, 0)], True)
+    assert eq == {5: {"false_winner": [True, False], "accepted": [2, 0], "misses": 1}} | {
+        6: {"false_winner": [False, False], "accepted": [1, 0], "misses": 0}
+    }
+    out = ns.lines(eq, True)
+    assert out[2] == "| 5 | 1 of 2 | x . |" and len(out) == 4
+    assert out[3] == (
+        "\n1 of 4 searches (25.0%) named a false winner; 1 of 2 worlds with at least one; 2 searches (50.0%) brought "
+        "an equal choice to the final decision (3 choices), which named 50.0% of them"
+    )
 
 
 @pytest.mark.parametrize(

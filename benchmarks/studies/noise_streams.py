@@ -7,7 +7,8 @@ A world is decision_sim's table seed ``s``: its gain (``seed_gain(s)``) and its 
 ``GAIN_SEED + s`` as the table draws them (``--equal``: the world ``EQUAL_SEED + s``, where every config costs the
 same). Stream 0 is the table's own draw of the steps; stream ``k > 0`` draws them from ``1000 * (GAIN_SEED + s) + k``
 (``decision_sim.run_once(noise=...)``). Per world: its true gains (ms per GEMM), the share realized in each stream and
-how many streams took under 80% of the gain (``--equal``: named a false winner). A world that misses in most streams
+how many streams took under 80% of the gain (``--equal``: named a false winner; the last line also counts the
+searches that brought an equal choice to the final decision, and the share of those it named). A world that misses in most streams
 is hard by its shape (a small gain in a noisy slot); one that misses in its own stream only was unlucky there. The
 table's worst seed is the worst draw over its 200 worlds, so a rule is judged by its miss rate over the hard worlds'
 streams, not by whether it flips one seed. ``--variants KEY=NUMBER[,KEY=NUMBER] ...``: search options other than
@@ -34,8 +35,8 @@ def world_seed(s: int, equal: bool) -> int:
     return (sim.EQUAL_SEED if equal else sim.GAIN_SEED) + s
 
 
-def one(job: tuple[str, int, int, bool, dict]) -> tuple[int, int, float, bool]:
-    """(seed, stream, realized share, false winner) of one search."""
+def one(job: tuple[str, int, int, bool, dict]) -> tuple[int, int, float, bool, int]:
+    """(seed, stream, realized share, false winner, choices the looks accepted) of one search."""
     scenario, s, k, equal, options = job
     base = world_seed(s, equal)
     o = sim.run_once(
@@ -45,7 +46,7 @@ def one(job: tuple[str, int, int, bool, dict]) -> tuple[int, int, float, bool]:
         SearchOptions(**options),
         noise=1000 * base + k if k else None,
     )
-    return s, k, o.realized, o.false_winner
+    return s, k, o.realized, o.false_winner, sum(c["accepted"] for c in o.choices.values())
 
 
 def true_gains(s: int) -> dict[str, float]:
@@ -60,13 +61,15 @@ def true_gains(s: int) -> dict[str, float]:
     return {g: round(sim.GEMM_MS - ms, 3) for (g, _), ms in world.fast.items()}
 
 
-def summarize(rows: list[tuple[int, int, float, bool]], equal: bool) -> dict[int, dict]:
-    """Per seed: each stream's realized share (gain worlds) or false winner (equal worlds), and the misses."""
+def summarize(rows: list[tuple[int, int, float, bool, int]], equal: bool) -> dict[int, dict]:
+    """Per seed: each stream's realized share (gain worlds) or false winner and choices accepted (equal worlds: each
+    one truly equal, so the final decision had to keep the reference), and the misses."""
     out: dict[int, dict] = {}
     for s in dict.fromkeys(r[0] for r in rows):
         mine = sorted((r for r in rows if r[0] == s), key=lambda r: r[1])
         if equal:
-            out[s] = {"false_winner": [r[3] for r in mine], "misses": sum(r[3] for r in mine)}
+            out[s] = {"false_winner": [r[3] for r in mine], "accepted": [r[4] for r in mine]}
+            out[s]["misses"] = sum(r[3] for r in mine)
         else:
             out[s] = {"realized": [round(r[2], 4) for r in mine], "misses": sum(r[2] < BAR for r in mine)}
     return out
@@ -96,6 +99,13 @@ def lines(summary: dict[int, dict], equal: bool, gains: dict[int, dict] | None =
         f"\n{misses} of {n} searches ({misses / n:.1%}) {'named a false winner' if equal else f'under {BAR:.0%}'}; "
         f"{hard} of {len(summary)} worlds with at least one"
     )
+    if equal:  # a false winner needs an equal choice accepted by the looks, then passed by the final decision
+        tried = sum(a > 0 for v in summary.values() for a in v["accepted"])
+        out[-1] += (
+            f"; {tried} searches ({tried / n:.1%}) brought an equal choice to the final decision "
+            f"({sum(a for v in summary.values() for a in v['accepted'])} choices), "
+            + (f"which named {misses / tried:.1%} of them" if tried else "none")
+        )
     return out
 
 
