@@ -8,8 +8,9 @@ A world is decision_sim's table seed ``s``: its gain (``seed_gain(s)``) and its 
 same). Stream 0 is the table's own draw of the steps; stream ``k > 0`` draws them from ``1000 * (GAIN_SEED + s) + k``
 (``decision_sim.run_once(noise=...)``). Per world: its true gains (ms per GEMM), the share realized in each stream and
 how many streams took under 80% of the gain (``--equal``: named a false winner; the last line also counts the
-searches that brought an equal choice to the final decision, and the share of those it named). A world that misses in most streams
-is hard by its shape (a small gain in a noisy slot); one that misses in its own stream only was unlucky there. The
+searches that brought an equal choice to the final decision, and the share of those it named). A world that misses
+in most streams is hard by its shape (a small gain in a noisy slot); one that misses in its own stream only was
+unlucky there. The
 table's worst seed is the worst draw over its 200 worlds, so a rule is judged by its miss rate over the hard worlds'
 streams, not by whether it flips one seed. ``--variants KEY=NUMBER[,KEY=NUMBER] ...``: search options other than
 the defaults, a survey each (``search_on_real_steps.parse_variant``).
