@@ -9,7 +9,7 @@ import math
 import statistics
 from collections.abc import Callable
 
-from megatron_tp_overlap.engine import paired
+from megatron_tp_overlap.engine import paired, rest_scaling
 from megatron_tp_overlap.engine.floors import capped
 from megatron_tp_overlap.engine.space import TuningConfig, is_valid
 from megatron_tp_overlap.engine.trial import (
@@ -19,6 +19,8 @@ from megatron_tp_overlap.engine.trial import (
     TrialFailed,
     Work,
 )
+
+Norm = tuple[float, dict[str, float]] | None  # rest_scaling.norm_for's
 
 
 def noise_hint(half_width_ms: float, quads: int, ref_ms: float, seconds: float, gain: float = 0.01) -> str:
@@ -250,26 +252,36 @@ class FinalDecision:
         return statistics.median(per) if per else None
 
     def _step_slot_sums(
-        self, t: Trial, slots: frozenset[str] | None = None, tops: dict[str, float] | None = None
+        self,
+        t: Trial,
+        slots: frozenset[str] | None = None,
+        tops: dict[str, float] | None = None,
+        samples: dict[str, list[float]] | None = None,
     ) -> list[float]:
-        cols = [v for s, v in capped(t.slot_samples, tops or {}).items() if slots is None or s in slots]
+        per = t.slot_samples if samples is None else samples
+        cols = [v for s, v in capped(per, tops or {}).items() if slots is None or s in slots]
         if not cols:
             return []
         return [sum(c[i] for c in cols) for i in range(min(len(c) for c in cols))]
 
-    def _quad_blocks(self, blocks: list[Trial], order: list[int], slots: frozenset[str] | None) -> list[float]:
+    def _quad_blocks(
+        self, blocks: list[Trial], order: list[int], slots: frozenset[str] | None, norm: Norm = None
+    ) -> list[float]:
         """One quadruple's block values (ms): the median over each block's steps of the sum over ``slots``, a slot at a
         floor (``_floor_tops``) counting each step at most the slower of the two configs' fastest steps in the
-        quadruple x (1 + ``floor_cap``): the same bound for both, so that an equal pair stays exchangeable."""
+        quadruple x (1 + ``floor_cap``): the same bound for both, so that an equal pair stays exchangeable. ``norm``:
+        each step's slots scaled by the rest first (``decision_rest_norm``; one fixed scaling for both configs)."""
+        per = [rest_scaling.scaled(t, norm) for t in blocks]
         tops = {}
         for s in self._floor_tops():
             lows = [
-                min(min(t.slot_samples.get(s) or [math.inf]) for t, w in zip(blocks, order) if w == x)
-                for x in (paired.A, paired.B)
+                min(min(p.get(s) or [math.inf]) for p, w in zip(per, order) if w == x) for x in (paired.A, paired.B)
             ]
             if math.isfinite(top := max(lows)):
                 tops[s] = top * (1 + self.opt.floor_cap)
-        return [statistics.median(self._step_slot_sums(t, slots, tops) or t.step_samples) for t in blocks]
+        return [
+            statistics.median(self._step_slot_sums(t, slots, tops, p) or t.step_samples) for t, p in zip(blocks, per)
+        ]
 
     def _changed_slots(self, a: TuningConfig, b: TuningConfig) -> frozenset[str] | None:
         """The slots whose GEMMs ``a`` and ``b`` run differently (config entry or overlap off); None: all of them."""
@@ -293,6 +305,8 @@ class FinalDecision:
         faster needs them faster once the rest of the step is taken out too (:func:`paired.rest_adjusted`), or runs on."""
         o, bs = self.opt, self.block_steps
         decided_on = self._changed_slots(ref.config, cand.config) if o.changed_slots else None
+        # the racing's rest scaling, fitted before the decision and fixed through it, for both configs alike
+        norm = self._rest_norm(ref.config) if o.decision_rest_norm else None
         order: list[int] = []
         slot_blocks: list[float] = []
         step_blocks: list[float] = []
@@ -317,7 +331,7 @@ class FinalDecision:
                 order.append(which)
             else:
                 quads += 1
-                slot_blocks += self._quad_blocks(blocks[-4:], order[-4:], decided_on)
+                slot_blocks += self._quad_blocks(blocks[-4:], order[-4:], decided_on, norm)
             if quads >= o.min_quads and error is None:
                 # sequential: a look before the last one is at paired.INTERIM_LEVEL (at 95% after each quadruple, an
                 # equal config wins 8-9% of decisions); the last look, at max_quads or the budget, at ``level`` if it

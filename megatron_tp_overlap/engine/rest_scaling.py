@@ -45,15 +45,15 @@ def terms(t: Any) -> dict[str, tuple[float, float, float, int]]:
     return out
 
 
-def betas_of(sums: dict[str, tuple[float, float, float, int]]) -> dict[str, float]:
-    """Per slot, the slope of its relative step-to-step changes on the rest's (clipped to 1, rounded to 0.1), where
+def betas_of(sums: dict[str, tuple[float, float, float, int]], most: float = 1.0) -> dict[str, float]:
+    """Per slot, the slope of its relative step-to-step changes on the rest's (clipped to ``most``, rounded to 0.1), where
     scaling by it removes at least ``R2_MIN`` of their variance, beyond what chance gives (``T_MIN``); else 0 (a
     slope the noise alone gives, early in a search or where the slot moves on its own, would add the rest's noise)."""
     out = {}
     for s, (sxy, sxx, syy, n) in sums.items():
         r2 = sxy * sxy / (sxx * syy) if sxx > 0 and syy > 0 else 0.0
         fits = sxy > 0 and n >= MIN_PAIRS and r2 >= R2_MIN and r2 * (n - 2) >= T_MIN**2 * (1 - r2)
-        out[s] = round(min(1.0, sxy / sxx), 1) if fits else 0.0
+        out[s] = round(min(most, sxy / sxx), 1) if fits else 0.0
     return out
 
 
@@ -64,13 +64,13 @@ def add(sums: dict[str, tuple[float, float, float, int]], t: Any) -> None:
         sums[s] = tuple(a + b for a, b in zip(old, new))  # type: ignore[assignment]
 
 
-def fit_betas(trials: list[Any]) -> dict[str, float]:
-    """Per slot, the share of the rest's relative step-to-step changes that the slot's follow, 0-1 (:func:`betas_of`
-    over every trial's consecutive steps)."""
+def fit_betas(trials: list[Any], most: float = 1.0) -> dict[str, float]:
+    """Per slot, the share of the rest's relative step-to-step changes that the slot's follow, 0 to ``most``
+    (:func:`betas_of` over every trial's consecutive steps)."""
     sums: dict[str, tuple[float, float, float, int]] = {}
     for t in trials:
         add(sums, t)
-    return betas_of(sums)
+    return betas_of(sums, most)
 
 
 def norm_for(incumbent_trials: list[Any], betas: dict[str, float]) -> tuple[float, dict[str, float]] | None:
@@ -122,7 +122,7 @@ class RestScaling:
         if done < len(self.trials):
             for t in self.trials[done:]:
                 add(sums, t)
-            done, betas = len(self.trials), betas_of(sums)
+            done, betas = len(self.trials), betas_of(sums, self.opt.rest_beta_max)
             self._cache[("beta_sums",)] = (done, sums, betas)
         return betas
 

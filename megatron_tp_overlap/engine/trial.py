@@ -128,6 +128,12 @@ class SearchOptions:
     # 1: the racing rounds scale each slot's steps by the share of the rest of the step's slowdown that the slot
     # follows, fitted per slot (engine/rest_scaling.py; 0 where it moves on its own); the final decision is not scaled
     rest_norm: int = 1
+    # ... each slot's slope on the rest at most this: on real L/M-shaped FP8 steps on one H200 host-bound forwards
+    # moved 1.8-6.2x the rest's relative change, between steps and between trials alike (qkv.fwd, proj.fwd)
+    rest_beta_max: float = 8.0
+    # 1: the final decision's slots are scaled so too (the betas and the reference's rest level as fitted before it,
+    # the same for both configs, so an equal pair stays exchangeable); the whole step and the rest guard unscaled
+    decision_rest_norm: int = 1
     # 1: the racing's standard errors add the level that a trial's steps share (engine/trial_effect.py): on real
     # dense steps 17 of 24 equal-world searches accepted a choice without it (simulated iid steps: 19 of 200)
     trial_noise: int = 1
@@ -246,6 +252,7 @@ class SearchOptions:
         for k in (
             "changed_slots",
             "rest_norm",
+            "decision_rest_norm",
             "trial_noise",
             "fill_slots",
             "look_spread",
@@ -258,6 +265,8 @@ class SearchOptions:
                 raise ValueError(f"{k} = {getattr(self, k)}: must be 0 or 1")
         if self.trial_own_diffs < 0:
             raise ValueError(f"trial_own_diffs = {self.trial_own_diffs}: must be >= 0 (0: the pooled test only)")
+        if self.rest_beta_max <= 0:
+            raise ValueError(f"rest_beta_max = {self.rest_beta_max}: must be > 0 (rest_norm=0 turns the scaling off)")
         if self.floor_cap < 0:
             raise ValueError(f"floor_cap = {self.floor_cap}: must be >= 0 (0: steps are not capped)")
         if self.clip_sds < 0:

@@ -46,7 +46,7 @@ GEMM_MS = 3.0  # each of the 12 GEMMs (+ its communication) under the reference:
 OFF_MS = 4.5  # a GEMM with overlap off
 DISTURBED_STEPS = 400  # the steps the disturbances are laid over (jump: its middle third), where searches run (140-200)
 SCENARIOS = ("iid", "ramp", "jump", "periodic", "position", "jitter", "power", "locked", "hostbound", "trial",
-             "trial_wide", "burst", "hostfwd", "hostglm", "hostmax")  # fmt: skip
+             "trial_wide", "burst", "hostfwd", "hostglm", "hostmax", "hostrest")  # fmt: skip
 # "trial": each trial's slots sit apart from the last trial's, alike for its steps (host work, clocks after a gap), the
 # forwards more: what real dense steps showed (results/2026-11-26_h200x2b/: 17 of 24 equal worlds accepted a choice)
 TRIAL_SD = {s: {"fwd": 0.015, "bwd": 0.005}[s[-3:]] for s in SLOTS}
@@ -68,6 +68,13 @@ FWD_FASTEST = {"proj.fwd": 1.2}
 # "hostglm": real GLM-4-9B-like FP8 steps on one H200 (results/2026-11-28_h200x4b/: the incumbent's trials ~0.24 ms
 # apart in qkv.fwd, proj.fwd and fc2.fwd alike, 14-22% of their levels): hostfwd with qkv.fwd and fc2.fwd as noisy
 GLM = FWD | {"qkv.fwd": (0.0, 0.05, 0.08), "fc2.fwd": (0.0, 0.03, 0.08)}
+# "hostrest": hostglm's forwards, each also following the rest of the step, which moves per trial and per step. Real
+# L- and M-shaped FP8 steps on one H200 (results/2026-11-29_h200x1e/, qkv.fwd and proj.fwd of every trial of 4
+# searches): the rest 6.5-10% apart between trials and 2-5% between steps; the forwards 1.8-6.2x the rest's relative
+# change (3.5 median), between trials as between steps, and 4-16% apart on their own (hostglm's own levels). Per slot:
+# its slope on the rest; (the rest's trial spread, its step spread)
+REST_SLOPE = {"qkv.fwd": 3.0, "proj.fwd": 4.0, "fc2.fwd": 3.0, "fc1.fwd": 1.0}
+REST_SPREAD = (0.08, 0.03)
 MAX = {s: (0.0, 0.01, 0.0) for s in SLOTS} | {"proj.fwd": (0.0, 0.03, 0.0)}  # hostmax's GPU noise (disturbances.py)
 
 
@@ -119,10 +126,12 @@ class SimulatedRun:
         self.costs: dict[TuningConfig, dict[str, float]] = {}
         phase = rng.uniform(0, 2 * math.pi) if scenario == "power" else 0.0  # where in its period the run starts
         self.disturb = disturbance(scenario, span_steps, phase)
-        self.wide = {"trial_wide": WIDE, "hostfwd": FWD, "hostglm": GLM, "hostmax": MAX}.get(scenario, {})
+        wide = {"trial_wide": WIDE, "hostfwd": FWD, "hostglm": GLM, "hostmax": MAX, "hostrest": GLM}
+        self.wide = wide.get(scenario, {})
+        self.slope = REST_SLOPE if scenario == "hostrest" else {}
         self.trial_sd = {s: v[2] for s, v in self.wide.items()} or (TRIAL_SD if scenario == "trial" else None)
         self.extra = {s: v[0] for s, v in self.wide.items()}  # ms per slot on top of its GEMMs', out of the step's rest
-        if scenario in ("hostfwd", "hostglm", "hostmax"):
+        if scenario in ("hostfwd", "hostglm", "hostmax", "hostrest"):
             self.extra |= {s: ms - sum(world.fastest_ms(g) for g in SLOTS[s]) for s, ms in FWD_FASTEST.items()}
         self.burst, self.modes = scenario == "burst", HostModes() if scenario == "hostmax" else None
         self.floor = {s: sum(world.fastest_ms(g) for g in SLOTS[s]) + self.extra.get(s, 0.0) for s in HOST_SLOW}
@@ -147,16 +156,19 @@ class SimulatedRun:
             }
         slots: dict[str, list[float]] = {s: [] for s in SLOTS}
         step_ms = []
+        trial_rest = self.rng.gauss(0, REST_SPREAD[0]) if self.slope else 0.0
         for _ in range(steps):
             factor, host, noise = self.disturb(self.i, self.since, self.rng)
             u, total = self.modes.step(self.rng) if self.modes else u, 0.0
+            r = trial_rest + self.rng.gauss(0, REST_SPREAD[1]) if self.slope else 0.0  # the rest's relative change
             for s in SLOTS:
                 v = factor * cost[s] * (1 + self.rng.gauss(0, self.wide[s][1] if self.wide else noise))
+                v *= max(0.5, 1 + self.slope.get(s, 0.0) * r)
                 if u and s in HOST_SLOW:  # the slot ends when the host has issued it (hostmax)
                     v = max(v, HostModes.issue_ms(s, self.floor[s], u))
                 slots[s].append(v)
                 total += v
-            rest = (STEP_MS - 12 * GEMM_MS - sum(self.extra.values())) * (1.12 if u else 1.0)
+            rest = (STEP_MS - 12 * GEMM_MS - sum(self.extra.values())) * (1.12 if u else 1.0) * max(0.5, 1 + r)
             step_ms.append(total + factor * rest + host + self.rng.gauss(0, 0.002 * STEP_MS))
             self.i += 1
             self.since += 1

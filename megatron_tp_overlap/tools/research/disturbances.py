@@ -14,7 +14,14 @@ SLOT_NOISE = 0.005  # relative GPU noise per slot and step
 # 21304: proj.fwd at 0.92 ms in the one racing trial of an option truly 0.31 ms faster, between incumbent trials at
 # 0.71 and 0.81 ms; results/2026-11-27_h100x4/); (probability, least, most)
 BURST = (0.05, 0.3, 1.0)
-OWN_LEVELS = ("trial", "trial_wide", "hostfwd", "hostglm", "hostmax")  # scenarios whose trials have levels of their own
+OWN_LEVELS = (
+    "trial",
+    "trial_wide",
+    "hostfwd",
+    "hostglm",
+    "hostmax",
+    "hostrest",
+)  # scenarios whose trials have levels of their own
 # "hostmax": forwards whose GPU waits on the host in stretches. Real Granite-3-8B-like FP8 steps on one H200 (six
 # runs of 60 racing-like trials of an equal world, pinned or not, alone or 4 to a host; results/2026-11-28_h200x4e/):
 # proj.fwd sits at its GPU time (0.29 ms +- 0.01) or, in 37% of the steps, at 1.4-2.7x it (the host's issue time),
