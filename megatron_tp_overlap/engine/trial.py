@@ -130,7 +130,7 @@ class SearchOptions:
     rest_norm: int = 1
     # ... each slot's slope on the rest at most this: on real L/M-shaped FP8 steps on one H200 host-bound forwards
     # moved 1.8-6.2x the rest's relative change, between steps and between trials alike (qkv.fwd, proj.fwd)
-    rest_beta_max: float = 8.0
+    rest_beta_max: float = 4.0
     # 1: the final decision's slots are scaled so too (the betas and the reference's rest level as fitted before it,
     # the same for both configs, so an equal pair stays exchangeable); the whole step and the rest guard unscaled
     decision_rest_norm: int = 1
