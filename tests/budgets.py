@@ -5,10 +5,13 @@ CPU time of a 120 s one (pytest's 90 s bound on a 2-core clone). ``AT_120``: the
 thirtieth session (120 s, up to 20 looks), where later mechanisms' tests were recorded: at 180 s the budget alone takes
 some of the gains that those mechanisms were needed for. Both keep the thirty-second session's two look rules off
 (``look_spread``, ``later_reach``), the thirty-third's runners-up (``runners_up``), the forty-second's ride-along
-(``ride_along_z``) and the forty-third's rest guard (``rest_guard``) off, which came after every one of those
-recordings."""
+(``ride_along_z``), the forty-third's rest guard (``rest_guard``) and the forty-seventh's rest slopes (``BEFORE_47``)
+off, which came after every one of those recordings."""
 
 from megatron_tp_overlap.engine.search import SearchOptions
+
+# the rest scaling before issue 46's forty-seventh session: slopes on the rest at most 1, the final decision unscaled
+BEFORE_47 = {"rest_beta_max": 1.0, "decision_rest_norm": 0}
 
 AT_60 = {
     "max_seconds": 60.0,
@@ -19,6 +22,7 @@ AT_60 = {
     "runners_up": 0,
     "ride_along_z": 0.0,
     "rest_guard": 0,
+    **BEFORE_47,
 }
 AT_120 = {
     "max_seconds": 120.0,
@@ -28,6 +32,7 @@ AT_120 = {
     "runners_up": 0,
     "ride_along_z": 0.0,
     "rest_guard": 0,
+    **BEFORE_47,
 }
 AT_31 = {
     "look_spread": 0,
@@ -35,6 +40,7 @@ AT_31 = {
     "runners_up": 0,
     "ride_along_z": 0.0,
     "rest_guard": 0,
+    **BEFORE_47,
 }  # the thirty-first session's search: today's budget, the two rules off
 
 

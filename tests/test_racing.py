@@ -6,7 +6,7 @@ import re
 import statistics
 
 import pytest
-from budgets import at_31, at_60, at_120
+from budgets import BEFORE_47, at_31, at_60, at_120
 from test_search import CTX, Synthetic, setup
 
 from megatron_tp_overlap.engine import brackets, trial_effect
@@ -383,10 +383,13 @@ def test_counting_a_host_bound_forward_at_its_floor_takes_the_gain_hostmax_left(
     24 quadruples (the default until the thirty-ninth session) the final decision kept the reference (0%); with
     ``floor_cap`` 0.05 both the looks and the decision count proj.fwd's steps at its floor and take all of it in those
     24. 64 quadruples take it too, in the 48th, uncapped. The 200-seed tables: decision_sim README, thirty-seventh,
-    thirty-ninth and fortieth sections (``floor_cap`` 0.05 the default since the forty-first)."""
-    gain = sim.seed_gain(1)
-    assert sim.run_once("hostmax", gain, sim.GAIN_SEED + 1, SearchOptions(max_quads=24, floor_cap=0.0)).realized == 0.0
-    capped = SearchOptions(floor_cap=0.05, max_quads=24)
+    thirty-ninth and fortieth sections (``floor_cap`` 0.05 the default since the forty-first). All at the rest
+    scaling of before the forty-seventh (``BEFORE_47``); today's scaling alone takes it uncapped in 24 too."""
+    gain, old = sim.seed_gain(1), BEFORE_47
+    uncapped = SearchOptions(max_quads=24, floor_cap=0.0, **old)
+    assert sim.run_once("hostmax", gain, sim.GAIN_SEED + 1, uncapped).realized == 0.0
+    assert sim.run_once("hostmax", gain, sim.GAIN_SEED + 1, SearchOptions(max_quads=24, floor_cap=0.0)).realized == 1.0
+    capped = SearchOptions(floor_cap=0.05, max_quads=24, **old)
     assert sim.run_once("hostmax", gain, sim.GAIN_SEED + 1, capped).realized == 1.0
     assert sim.run_once("hostmax", gain, sim.GAIN_SEED + 1).realized == 1.0
     with pytest.raises(ValueError, match="floor_cap = -0.1: must be >= 0"):
@@ -400,7 +403,8 @@ def test_a_host_bound_forwards_trial_level_is_counted_on_its_own_and_names_no_fa
     looks with the steps' spread alone accepted equal qkv_fprop and proj_fprop options: false winners. Tested on its
     own (``trial_own_diffs``, 30 differences) the level is counted and nothing is accepted (200 seeds: false winners
     1.5 -> 0.0%; decision_sim README, thirty-eighth section). Uncapped: ``floor_cap`` alone keeps both from it."""
-    old = {"floor_cap": 0.0, "rest_guard": 0}  # nor the final decision's rest guard (tests/test_rest_guard.py)
+    # nor the final decision's rest guard (tests/test_rest_guard.py), at the rest scaling of before
+    old = {"floor_cap": 0.0, "rest_guard": 0, **BEFORE_47}
     before = sim.run_once("hostmax", 0.0, sim.EQUAL_SEED + seed, SearchOptions(trial_own_diffs=0, **old))
     after = sim.run_once("hostmax", 0.0, sim.EQUAL_SEED + seed, SearchOptions(**old))
     assert before.false_winner and {"qkv_fprop", "proj_fprop"} <= {

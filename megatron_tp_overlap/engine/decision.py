@@ -342,7 +342,9 @@ class FinalDecision:
                 final = last and quads <= paired.DENSE_LOOKS  # past them every look is at the interim level
                 gains = paired.quad_gains(slot_blocks[: 4 * quads], order)
                 slot_iv = paired.look(gains, o.level, final, o.clip_sds)
-                step_iv = paired.look(paired.quad_gains(step_blocks[: 4 * quads], order), o.level, True, o.clip_sds)
+                step_iv = paired.look(
+                    paired.quad_gains(step_blocks[: 4 * quads], order), o.step_level, True, o.clip_sds
+                )
                 rest = paired.quad_gains(rest_blocks[: 4 * quads], order)
                 adj_iv = slot_iv
                 if o.rest_guard and slot_iv.faster and not any(map(math.isnan, rest)):

@@ -5,9 +5,10 @@ what real trial steps show (H200, Megatron-LM): per-slot GPU noise, host jitter 
 (ramp) or jumps (+25% for a third of the budget), a periodic slow step, the power limit's clock oscillation (measured:
 benchmarks/results/2026-11-23_h200x1/trial_noise/), free-running or restarting in phase after every switch
 (../verify_noise/), a host-bound forward caught by a burst of slow steps for a whole trial (burst), one whose trials
-sit 22% apart (hostfwd), three such (hostglm), forwards that wait on the host in stretches (hostmax). Per seed a few
-options of a few GEMMs are truly faster (together ``gain`` of the step), or none is (``equal``). The search runs on it
-unchanged (:class:`~engine.search.Searcher`, default options) and is scored by the true cost of what it chose:
+sit 22% apart (hostfwd), three such (hostglm), forwards that wait on the host in stretches (hostmax), hostglm's moving
+3-4x the rest of the step (hostrest). Per seed a few options of a few GEMMs are truly faster (``gain`` of the step
+together), or none is (``equal``). The search runs on it unchanged (default options) and is scored by the true cost of
+what it chose:
 
 - realized: (reference - chosen) / (reference - best), the share of the available gain it took;
 - worst: the chosen config's true cost over the reference's (> 0: it ended slower);
@@ -31,6 +32,7 @@ from megatron_tp_overlap.engine.exhaustive import BENCHMARK_EXHAUSTIVE
 from megatron_tp_overlap.engine.search import Measurement, Searcher, SearchOptions
 from megatron_tp_overlap.engine.space import Option, TuningConfig, all_off, apply, build_space, is_valid
 from megatron_tp_overlap.engine.topology import Topology
+from megatron_tp_overlap.tools.research import disturbances as dist
 from megatron_tp_overlap.tools.research.disturbances import BURST, HOST_SLOW, STEP_MS, HostModes, disturbance
 from megatron_tp_overlap.ub.config import UbConfig
 from megatron_tp_overlap.ub.rules import ValidationContext
@@ -50,16 +52,9 @@ SCENARIOS = ("iid", "ramp", "jump", "periodic", "position", "jitter", "power", "
 # "trial": each trial's slots sit apart from the last trial's, alike for its steps (host work, clocks after a gap), the
 # forwards more: what real dense steps showed (results/2026-11-26_h200x2b/: 17 of 24 equal worlds accepted a choice)
 TRIAL_SD = {s: {"fwd": 0.015, "bwd": 0.005}[s[-3:]] for s in SLOTS}
-# "trial_wide": real Command-R-like bf16 steps (results/2026-11-26_h200x4b/): slots sized as there (fc1.bwd ~24% of
-# the step; the extra ms per slot come out of the step's rest, so a config's gain stays in ms), each slot's relative
-# spread per step (1.1-1.3%, qkv.fwd 3%) and per trial (0.7%, qkv.fwd 2.5%); per slot: (extra ms, step, trial)
-WIDE = {"qkv.fwd": (0.0, 0.03, 0.025), "fc1.fwd": (8.8, 0.0125, 0.007), "fc1.bwd": (17.5, 0.011, 0.007)}
-WIDE |= {"fc2.fwd": (2.8, 0.012, 0.007), "fc2.bwd": (5.8, 0.011, 0.007)}
-WIDE |= {s: (0.0, 0.012, 0.007) for s in ("qkv.bwd", "proj.fwd", "proj.bwd")}
 # "hostfwd": real Gemma-2-27B-like FP8 steps on one H100 at a noisy moment (results/2026-11-27_h100x2/, seed 21360,
 # the search's own per-slot figures): proj.fwd's trials 22% apart and its steps 10% (0-17% and 6-8% in 4 later
-# searches of the same world, which took the gain), qkv.fwd 7% and 5%, fc1.fwd and fc2.fwd 2% and 1%, the backwards
-# under 1%
+# searches of the same world, which took the gain), qkv.fwd 7% and 5%, fc1.fwd and fc2.fwd 2% and 1%, backwards <1%
 FWD = {s: (0.0, 0.01, 0.005) for s in SLOTS} | {"proj.fwd": (0.0, 0.10, 0.22), "qkv.fwd": (0.0, 0.05, 0.07)}
 FWD |= {"fc1.fwd": (0.0, 0.01, 0.02), "fc2.fwd": (0.0, 0.01, 0.02)}
 # ... and proj.fwd at its real size, its fastest option's ms (21360: 0.69 of a 56.3 ms step, 1.2%; the 3 ms GEMM, 3%,
@@ -68,14 +63,8 @@ FWD_FASTEST = {"proj.fwd": 1.2}
 # "hostglm": real GLM-4-9B-like FP8 steps on one H200 (results/2026-11-28_h200x4b/: the incumbent's trials ~0.24 ms
 # apart in qkv.fwd, proj.fwd and fc2.fwd alike, 14-22% of their levels): hostfwd with qkv.fwd and fc2.fwd as noisy
 GLM = FWD | {"qkv.fwd": (0.0, 0.05, 0.08), "fc2.fwd": (0.0, 0.03, 0.08)}
-# "hostrest": hostglm's forwards, each also following the rest of the step, which moves per trial and per step. Real
-# L- and M-shaped FP8 steps on one H200 (results/2026-11-29_h200x1e/, qkv.fwd and proj.fwd of every trial of 4
-# searches): the rest 6.5-10% apart between trials and 2-5% between steps; the forwards 1.8-6.2x the rest's relative
-# change (3.5 median), between trials as between steps, and 4-16% apart on their own (hostglm's own levels). Per slot:
-# its slope on the rest; (the rest's trial spread, its step spread)
-REST_SLOPE = {"qkv.fwd": 3.0, "proj.fwd": 4.0, "fc2.fwd": 3.0, "fc1.fwd": 1.0}
-REST_SPREAD = (0.08, 0.03)
 MAX = {s: (0.0, 0.01, 0.0) for s in SLOTS} | {"proj.fwd": (0.0, 0.03, 0.0)}  # hostmax's GPU noise (disturbances.py)
+NOISE = {"trial_wide": dist.WIDE, "hostfwd": FWD, "hostglm": GLM, "hostmax": MAX, "hostrest": GLM}  # per scenario
 
 
 @dataclass
@@ -126,9 +115,8 @@ class SimulatedRun:
         self.costs: dict[TuningConfig, dict[str, float]] = {}
         phase = rng.uniform(0, 2 * math.pi) if scenario == "power" else 0.0  # where in its period the run starts
         self.disturb = disturbance(scenario, span_steps, phase)
-        wide = {"trial_wide": WIDE, "hostfwd": FWD, "hostglm": GLM, "hostmax": MAX, "hostrest": GLM}
-        self.wide = wide.get(scenario, {})
-        self.slope = REST_SLOPE if scenario == "hostrest" else {}
+        self.wide = NOISE.get(scenario, {})
+        self.slope = dist.REST_SLOPE if scenario == "hostrest" else {}
         self.trial_sd = {s: v[2] for s, v in self.wide.items()} or (TRIAL_SD if scenario == "trial" else None)
         self.extra = {s: v[0] for s, v in self.wide.items()}  # ms per slot on top of its GEMMs', out of the step's rest
         if scenario in ("hostfwd", "hostglm", "hostmax", "hostrest"):
@@ -156,11 +144,11 @@ class SimulatedRun:
             }
         slots: dict[str, list[float]] = {s: [] for s in SLOTS}
         step_ms = []
-        trial_rest = self.rng.gauss(0, REST_SPREAD[0]) if self.slope else 0.0
+        trial_rest = self.rng.gauss(0, dist.REST_SPREAD[0]) if self.slope else 0.0
         for _ in range(steps):
             factor, host, noise = self.disturb(self.i, self.since, self.rng)
             u, total = self.modes.step(self.rng) if self.modes else u, 0.0
-            r = trial_rest + self.rng.gauss(0, REST_SPREAD[1]) if self.slope else 0.0  # the rest's relative change
+            r = trial_rest + self.rng.gauss(0, dist.REST_SPREAD[1]) if self.slope else 0.0  # the rest's relative change
             for s in SLOTS:
                 v = factor * cost[s] * (1 + self.rng.gauss(0, self.wide[s][1] if self.wide else noise))
                 v *= max(0.5, 1 + self.slope.get(s, 0.0) * r)

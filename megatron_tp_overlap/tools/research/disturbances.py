@@ -14,6 +14,19 @@ SLOT_NOISE = 0.005  # relative GPU noise per slot and step
 # 21304: proj.fwd at 0.92 ms in the one racing trial of an option truly 0.31 ms faster, between incumbent trials at
 # 0.71 and 0.81 ms; results/2026-11-27_h100x4/); (probability, least, most)
 BURST = (0.05, 0.3, 1.0)
+# "trial_wide": real Command-R-like bf16 steps (results/2026-11-26_h200x4b/): slots sized as there (fc1.bwd ~24% of
+# the step; the extra ms per slot come out of the step's rest, so a config's gain stays in ms), each slot's relative
+# spread per step (1.1-1.3%, qkv.fwd 3%) and per trial (0.7%, qkv.fwd 2.5%); per slot: (extra ms, step, trial)
+WIDE = {"qkv.fwd": (0.0, 0.03, 0.025), "fc1.fwd": (8.8, 0.0125, 0.007), "fc1.bwd": (17.5, 0.011, 0.007)}
+WIDE |= {"fc2.fwd": (2.8, 0.012, 0.007), "fc2.bwd": (5.8, 0.011, 0.007)}
+WIDE |= {s: (0.0, 0.012, 0.007) for s in ("qkv.bwd", "proj.fwd", "proj.bwd")}
+# "hostrest": hostglm's forwards, each also following the rest of the step, which moves per trial and per step. Real
+# L- and M-shaped FP8 steps on one H200 (results/2026-11-29_h200x1e/, qkv.fwd and proj.fwd of every trial of 4
+# searches): the rest 6.5-10% apart between trials and 2-5% between steps; the forwards 1.8-6.2x the rest's relative
+# change (3.5 median), between trials as between steps, and 4-16% apart on their own (hostglm's own levels). Per slot:
+# its slope on the rest; (the rest's trial spread, its step spread)
+REST_SLOPE = {"qkv.fwd": 3.0, "proj.fwd": 4.0, "fc2.fwd": 3.0, "fc1.fwd": 1.0}
+REST_SPREAD = (0.08, 0.03)
 OWN_LEVELS = (
     "trial",
     "trial_wide",
