@@ -5,7 +5,7 @@ every slot; ``--trace SLOT ...``), per search and traced slot: the slope the sea
 each step's relative change on the rest's within a trial, unclipped here), the same slope between the trials' means,
 and the relative spread of the trials' medians (put-in delays taken out) unscaled, scaled at slope 1 (the cap until
 issue 46's forty-seventh session), at the fitted slope capped at ``--cap`` and uncapped. The question it answered:
-real L- and M-shaped FP8 forwards moved 1.8-6.2x the rest, so the cap of 1 left most of what they share with it
+real L- and M-shaped FP8 forwards moved 1.8-5.6x the rest, so the cap of 1 left most of what they share with it
 (``SearchOptions.rest_beta_max``; benchmarks/results/2026-11-25_cpu/decision_sim/, forty-seventh section).
 
     python benchmarks/studies/rest_slopes.py DIR_OR_JSON ... [--cap 4]

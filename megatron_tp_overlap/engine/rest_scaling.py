@@ -7,7 +7,7 @@ every trial of the search (:func:`fit_betas`). Where a slot moves on its own it 
 H200 the MoE backwards varied 0.1-0.3% between trials while the rest moved, and dividing them by the whole rest
 widened that to 13-14% (benchmarks/results/2026-11-26_h200x2/), so one factor for every slot would hurt them. A
 host-bound forward can move several times the rest: on real L- and M-shaped FP8 steps on one H200, qkv.fwd and
-proj.fwd moved 1.8-6.2x its relative change, between steps and between trials alike, so ``beta`` goes up to
+proj.fwd moved 1.8-5.6x its relative change, between steps and between trials alike, so ``beta`` goes up to
 ``rest_beta_max`` (4; 1 until issue 46's forty-seventh session). The final decision scales its slots by the betas and
 the reference's rest level fitted before it (``decision_rest_norm``): one fixed scaling for both configs, so an equal
 pair stays exchangeable; its whole-step interval and rest guard are not scaled.

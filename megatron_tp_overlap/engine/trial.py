@@ -132,7 +132,7 @@ class SearchOptions:
     # follows, fitted per slot (engine/rest_scaling.py; 0 where it moves on its own)
     rest_norm: int = 1
     # ... each slot's slope on the rest at most this: on real L/M-shaped FP8 steps on one H200 host-bound forwards
-    # moved 1.8-6.2x the rest's relative change, between steps and between trials alike (1 until issue 46's
+    # moved 1.8-5.6x the rest's relative change, between steps and between trials alike (1 until issue 46's
     # forty-seventh session; at 8 decision_sim hostmax seed 49 took 56.4% of its gain, at 4 all of it)
     rest_beta_max: float = 4.0
     # 1: the final decision's slots are scaled so too (the betas and the reference's rest level as fitted before it,

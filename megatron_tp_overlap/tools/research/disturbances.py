@@ -22,8 +22,8 @@ WIDE |= {"fc2.fwd": (2.8, 0.012, 0.007), "fc2.bwd": (5.8, 0.011, 0.007)}
 WIDE |= {s: (0.0, 0.012, 0.007) for s in ("qkv.bwd", "proj.fwd", "proj.bwd")}
 # "hostrest": hostglm's forwards, each also following the rest of the step, which moves per trial and per step. Real
 # L- and M-shaped FP8 steps on one H200 (results/2026-11-29_h200x1e/, qkv.fwd and proj.fwd of every trial of 4
-# searches): the rest 6.5-10% apart between trials and 2-5% between steps; the forwards 1.8-6.2x the rest's relative
-# change (3.5 median), between trials as between steps, and 4-16% apart on their own (hostglm's own levels). Per slot:
+# searches): the rest 6.5-10% apart between trials and 2-5% between steps; the forwards 1.8-5.6x the rest's relative
+# change (3.4 median), between trials as between steps, and 4-16% apart on their own (hostglm's own levels). Per slot:
 # its slope on the rest; (the rest's trial spread, its step spread)
 REST_SLOPE = {"qkv.fwd": 3.0, "proj.fwd": 4.0, "fc2.fwd": 3.0, "fc1.fwd": 1.0}
 REST_SPREAD = (0.08, 0.03)
