@@ -141,9 +141,12 @@ class Racing(rest_scaling.RestScaling):
         key = ("taus", incumbent, len(self.trials))
         if key not in self._cache:
             norm, groups = self._rest_norm(incumbent), trial_effect.incumbent_runs(self.trials)
-            self._cache[key] = trial_effect.slot_taus(
-                groups, self._sigma(), lambda t: self._scaled(t, norm), self.opt.trial_own_diffs
-            )
+            # the differences change only with the groups' trials and the scaling (most new trials are racing's)
+            at = (sum(map(len, groups)), norm and (norm[0], tuple(norm[1].items())), tuple(self._floor_tops().items()))
+            if ("tau_diffs", at) not in self._cache:
+                self._cache[("tau_diffs", at)] = trial_effect.slot_diffs(groups, lambda t: self._scaled(t, norm))
+            diffs = self._cache[("tau_diffs", at)]
+            self._cache[key] = trial_effect.taus_of(diffs, self._sigma(), self.opt.trial_own_diffs)
         return self._cache[key]
 
     def _slot_level(self, incumbent: TuningConfig, slot: str) -> float:

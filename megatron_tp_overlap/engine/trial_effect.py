@@ -44,6 +44,13 @@ def slot_taus(
     ``scaled(t)``: the samples as the racing scores them. A robust estimate (median absolute consecutive difference);
     0 where the steps' own spread explains it or fewer than ``MIN_DIFFS`` differences exist. Where the test pooled
     over slots fails, a slot with ``own_diffs`` differences (> 0) is still tested alone (a chance 3x in 30: < 0.1%)."""
+    return taus_of(slot_diffs(groups, scaled), sigma, own_diffs)
+
+
+def slot_diffs(groups: Iterable[list[Any]], scaled=lambda t: t.slot_samples) -> dict[str, list[tuple[float, int, int]]]:
+    """:func:`slot_taus`'s differences: per slot, (relative difference of consecutive trials' means, the steps of the
+    first, of the second) within each group. They do not depend on the steps' spread, so the search keeps them while
+    its trials add no group's trial (engine/racing.py)."""
     diffs: dict[str, list[tuple[float, int, int]]] = {}
     for trials in groups:
         prev: dict[str, tuple[float, int]] = {}
@@ -55,6 +62,11 @@ def slot_taus(
                 if s in prev and prev[s][0] > 0:
                     diffs.setdefault(s, []).append(((m[0] - prev[s][0]) / prev[s][0], prev[s][1], m[1]))
                 prev[s] = m
+    return diffs
+
+
+def taus_of(diffs: dict[str, list[tuple[float, int, int]]], sigma: float, own_diffs: int = 0) -> dict[str, float]:
+    """:func:`slot_taus` from its :func:`slot_diffs`."""
     units = [
         r / (sigma * math.sqrt(1 / n0 + 1 / n1)) if sigma > 0 else math.inf for d in diffs.values() for r, n0, n1 in d
     ]
