@@ -186,7 +186,7 @@ def test_the_rest_scaling_follows_each_slot_alone():
         slots = {"fc1.fwd": [5 * x for x in f], "fc1.bwd": own}
         steps = [a + b + 50 * x for a, b, x in zip(slots["fc1.fwd"], own, f)]
         trials.append(Trial(i, "halving", None, {}, step_samples=steps, position=float(i), slot_samples=slots))
-    betas = rest_scaling.fit_betas(trials)
+    betas = rest_scaling.fit_betas(trials, SearchOptions().rest_beta_max)
     assert betas == {"fc1.fwd": 1.0, "fc1.bwd": 0.0}, betas
     t = trials[0]
     scaled = rest_scaling.scaled(t, rest_scaling.norm_for(trials, betas))

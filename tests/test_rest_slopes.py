@@ -35,7 +35,7 @@ def test_a_forward_that_moves_3x_the_rest_is_scaled_by_3_and_its_trials_fall_tog
     most of what it shares with the rest: its trials' levels 20% apart (29% unscaled); fitted (3.4, each step relative to
     its trial's median) 4%."""
     trials = _trials(3.0)
-    assert rest_scaling.fit_betas(trials) == {"qkv.fwd": 1.0, "fc1.bwd": 0.0}
+    assert rest_scaling.fit_betas(trials, 1.0) == {"qkv.fwd": 1.0, "fc1.bwd": 0.0}
     assert rest_scaling.fit_betas(trials, 4.0) == {"qkv.fwd": 3.4, "fc1.bwd": 0.0}  # relative to each trial's median
     assert rest_scaling.fit_betas(_trials(6.0, apart=0.03), 4.0)["qkv.fwd"] == 4.0  # at most rest_beta_max
 

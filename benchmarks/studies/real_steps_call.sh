@@ -13,7 +13,7 @@ set -uo pipefail
 NAME=$1; SPEC=$2; GPU=${SPEC%%|*}; ARGS=${SPEC#*|}
 source .device/env.sh && bash .device/setup.sh || exit 1
 export PYTHONPATH=$PWD/.device/megatron-lm:${PYTHONPATH:-}
-grep -n "rest_guard: \|ride_along_z: \|rest_beta_max: \|decision_rest_norm: " megatron_tp_overlap/engine/trial.py
+python3 -c "from megatron_tp_overlap.engine.search import SearchOptions; print(SearchOptions())"  # the defaults
 mkdir -p "/tmp/$NAME/g0"
 t0=$(date +%s)
 # shellcheck disable=SC2086  # ARGS is a list of flags

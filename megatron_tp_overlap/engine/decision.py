@@ -20,8 +20,6 @@ from megatron_tp_overlap.engine.trial import (
     Work,
 )
 
-Norm = tuple[float, dict[str, float]] | None  # rest_scaling.norm_for's
-
 
 def noise_hint(half_width_ms: float, quads: int, ref_ms: float, seconds: float, gain: float = 0.01) -> str:
     """What the final decision would need to see a gain of ``gain`` of a step at the noise it met: its interval
@@ -265,7 +263,7 @@ class FinalDecision:
         return [sum(c[i] for c in cols) for i in range(min(len(c) for c in cols))]
 
     def _quad_blocks(
-        self, blocks: list[Trial], order: list[int], slots: frozenset[str] | None, norm: Norm = None
+        self, blocks: list[Trial], order: list[int], slots: frozenset[str] | None, norm: rest_scaling.Norm = None
     ) -> list[float]:
         """One quadruple's block values (ms): the median over each block's steps of the sum over ``slots``, a slot at a
         floor (``_floor_tops``) counting each step at most the slower of the two configs' fastest steps in the

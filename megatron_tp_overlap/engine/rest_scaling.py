@@ -49,7 +49,7 @@ def terms(t: Any) -> dict[str, tuple[float, float, float, int]]:
     return out
 
 
-def betas_of(sums: dict[str, tuple[float, float, float, int]], most: float = 1.0) -> dict[str, float]:
+def betas_of(sums: dict[str, tuple[float, float, float, int]], most: float) -> dict[str, float]:
     """Per slot, the slope of its relative step-to-step changes on the rest's (clipped to ``most``, rounded to 0.1), where
     scaling by it removes at least ``R2_MIN`` of their variance, beyond what chance gives (``T_MIN``); else 0 (a
     slope the noise alone gives, early in a search or where the slot moves on its own, would add the rest's noise)."""
@@ -68,7 +68,7 @@ def add(sums: dict[str, tuple[float, float, float, int]], t: Any) -> None:
         sums[s] = tuple(a + b for a, b in zip(old, new))  # type: ignore[assignment]
 
 
-def fit_betas(trials: list[Any], most: float = 1.0) -> dict[str, float]:
+def fit_betas(trials: list[Any], most: float) -> dict[str, float]:
     """Per slot, the share of the rest's relative step-to-step changes that the slot's follow, 0 to ``most``
     (:func:`betas_of` over every trial's consecutive steps)."""
     sums: dict[str, tuple[float, float, float, int]] = {}
@@ -77,14 +77,17 @@ def fit_betas(trials: list[Any], most: float = 1.0) -> dict[str, float]:
     return betas_of(sums, most)
 
 
-def norm_for(incumbent_trials: list[Any], betas: dict[str, float]) -> tuple[float, dict[str, float]] | None:
+Norm = tuple[float, dict[str, float]] | None  # the rest's level (ms) and each slot's beta; None: nothing scaled
+
+
+def norm_for(incumbent_trials: list[Any], betas: dict[str, float]) -> Norm:
     """(the incumbent's median rest of the step in ms, ``betas``) for :func:`scaled`; None when no slot follows."""
     vals = [v for t in incumbent_trials for v in t.rest_samples]
     level = statistics.median(vals) if vals else 0.0
     return (level, betas) if level > 0 and any(betas.values()) else None
 
 
-def scaled(t: Any, norm: tuple[float, dict[str, float]] | None) -> dict[str, list[float]]:
+def scaled(t: Any, norm: Norm) -> dict[str, list[float]]:
     """``t``'s per-slot samples, each step's over ``1 + beta (rest / level - 1)`` with its slot's beta (``norm``:
     the rest's ms that counts as no slowdown, and the betas); the samples themselves where nothing is scaled."""
     if not norm:

@@ -27,14 +27,8 @@ WIDE |= {s: (0.0, 0.012, 0.007) for s in ("qkv.bwd", "proj.fwd", "proj.bwd")}
 # its slope on the rest; (the rest's trial spread, its step spread)
 REST_SLOPE = {"qkv.fwd": 3.0, "proj.fwd": 4.0, "fc2.fwd": 3.0, "fc1.fwd": 1.0}
 REST_SPREAD = (0.08, 0.03)
-OWN_LEVELS = (
-    "trial",
-    "trial_wide",
-    "hostfwd",
-    "hostglm",
-    "hostmax",
-    "hostrest",
-)  # scenarios whose trials have levels of their own
+# scenarios whose trials have levels of their own
+OWN_LEVELS = ("trial", "trial_wide", "hostfwd", "hostglm", "hostmax", "hostrest")
 # "hostmax": forwards whose GPU waits on the host in stretches. Real Granite-3-8B-like FP8 steps on one H200 (six
 # runs of 60 racing-like trials of an equal world, pinned or not, alone or 4 to a host; results/2026-11-28_h200x4e/):
 # proj.fwd sits at its GPU time (0.29 ms +- 0.01) or, in 37% of the steps, at 1.4-2.7x it (the host's issue time),
