@@ -142,7 +142,7 @@ class Racing(rest_scaling.RestScaling):
         if key not in self._cache:
             norm, groups = self._rest_norm(incumbent), trial_effect.incumbent_runs(self.trials)
             # the differences change only with the groups' trials and the scaling (most new trials are racing's)
-            at = (sum(map(len, groups)), norm and (norm[0], tuple(norm[1].items())), tuple(self._floor_tops().items()))
+            at = (sum(map(len, groups)), norm and (norm[0], tuple(norm[1].items())), self._floor_tops_keyed()[1])
             if ("tau_diffs", at) not in self._cache:
                 self._cache[("tau_diffs", at)] = trial_effect.slot_diffs(groups, lambda t: self._scaled(t, norm))
             diffs = self._cache[("tau_diffs", at)]
@@ -328,7 +328,7 @@ class Racing(rest_scaling.RestScaling):
         """The relative spread of one step of a slot (:func:`stats.pooled_sigma`, positional) over every trial's slot
         samples scaled to their median, pooled over the slots (what the standard errors use); with ``slot``, that
         slot's own once it has ``MIN_SLOT_PAIRS`` step differences (the report's ``step_spread_pct``). Each trial's
-        differences are computed once (every round pools them all).
+        differences are computed once per slot and slope on the rest (every round pools them all).
 
         Pooled, not per slot: on real Command-R- and Nemotron-like steps (H200) the slots' own spreads differ (median
         1.1-2.1% in bf16, qkv.fwd 2.1-3.0%; 0.4-1.3% in FP8, qkv.fwd 4.1%), but on 34 bf16 searches standard errors
@@ -336,14 +336,18 @@ class Racing(rest_scaling.RestScaling):
         a hostbound seed's final decision to undecided (seed 31: 100 -> 0%); results/2026-11-26_h200x4b/."""
         key = ("sigma", len(self.trials))
         if key not in self._cache:
-            # the trials' differences so far, extended by the new trials only (while the rest scaling is the same)
-            acc = self._cache.setdefault(("sigma_acc", tuple(sorted(self._betas().items()))), [0, {}])
-            per: dict[str, stats.PairColumns] = acc[1]
-            for t in self.trials[acc[0] :]:
-                for s, *pair in self._trial_diffs(t):
-                    per.setdefault(s, stats.PairColumns()).add(*pair)
-            acc[0] = len(self.trials)
-            cols = {s: c.arrays() for s, c in per.items()}
+            # per slot, the trials' differences so far at its slope on the rest, extended by the new trials only
+            betas, seen, cols = self._betas(), self._cache.setdefault(("sigma_slots",), [0, {}]), {}
+            for t in self.trials[seen[0] :]:
+                seen[1].update(dict.fromkeys(t.slot_samples))
+            seen[0] = len(self.trials)
+            for s in seen[1]:
+                acc = self._cache.setdefault(("sigma_acc", s, betas.get(s, 0.0)), [0, stats.PairColumns()])
+                for t in self.trials[acc[0] :]:
+                    self._add_diffs(acc[1], t, s, betas.get(s, 0.0))
+                acc[0] = len(self.trials)
+                if acc[1].key:
+                    cols[s] = acc[1].arrays()
             pooled = stats.positional_sd_columns(*(np.concatenate(x) for x in zip(*cols.values()))) if cols else 0.0
             self._cache[key] = pooled, cols
         pooled, cols = self._cache[key]
@@ -353,23 +357,18 @@ class Racing(rest_scaling.RestScaling):
             self._cache[("slot_sigma", slot, len(self.trials))] = stats.positional_sd_columns(*cols[slot])
         return self._cache[("slot_sigma", slot, len(self.trials))]
 
-    def _trial_diffs(self, t: Trial) -> list[tuple[str, tuple[int, int], float, float, float]]:
-        """Per consecutive pair of each slot's samples scaled to their median: slot, (group length, position), relative
-        difference, difference, level (what :func:`stats.pooled_sigma` computes per group, in its arithmetic); with
-        ``rest_norm``, of the samples as the racing scores them (engine/rest_scaling.py)."""
-        betas = self._betas()
-        key = ("diffs", t.index, tuple(sorted(betas.items())))
-        if key not in self._cache:
-            out = []
-            for s, v in rest_scaling.own_scaled(t, betas).items():
-                if not v or (m := statistics.median(v)) <= 0:
-                    continue
-                g = [x / m for x in v]
-                level = statistics.median(g)
-                if level > 0:
-                    out += [(s, (len(g), i), (b - a) / level, b - a, level) for i, (a, b) in enumerate(zip(g, g[1:]))]
-            self._cache[key] = out
-        return self._cache[key]
+    @staticmethod
+    def _add_diffs(acc: stats.PairColumns, t: Trial, slot: str, beta: float) -> None:
+        """Add each consecutive pair of ``slot``'s samples in ``t``, scaled to their median, to ``acc``: (group length,
+        position), relative difference, difference, level (what :func:`stats.pooled_sigma` computes per group, in its
+        arithmetic); scaled by ``beta`` on the trial's own rest first (engine/rest_scaling.py)."""
+        v = rest_scaling.own_scaled(t, slot, beta)
+        if not v or (m := statistics.median(v)) <= 0:
+            return
+        g = [x / m for x in v]
+        if (level := statistics.median(g)) > 0:
+            for i, (a, b) in enumerate(zip(g, g[1:])):
+                acc.add((len(g), i), (b - a) / level, b - a, level)
 
     def _worth(self, incumbent: TuningConfig) -> float:  # a gain worth a switch (ms): rel_floor of the incumbent's step
         if (key := ("worth", incumbent, len(self.trials))) not in self._cache:

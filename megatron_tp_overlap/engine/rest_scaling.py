@@ -27,6 +27,7 @@ from megatron_tp_overlap.engine.floors import capped, floor_tops
 R2_MIN = 0.25  # the share of a slot's step-to-step variance the rest must explain for the slot to be scaled
 T_MIN = 3.0  # ... with a correlation this many standard errors from none (t = r sqrt((n - 2) / (1 - r^2)))
 MIN_PAIRS = 8  # pairs of consecutive steps, at least
+NO_TOPS: tuple[dict[str, float], tuple] = ({}, ())  # no floors (read only)
 
 
 def terms(t: Any) -> dict[str, tuple[float, float, float, int]]:
@@ -102,10 +103,13 @@ def scaled(t: Any, norm: Norm) -> dict[str, list[float]]:
     }
 
 
-def own_scaled(t: Any, betas: dict[str, float]) -> dict[str, list[float]]:
-    """:func:`scaled` relative to the trial's own median rest (for the step-to-step spread within a trial)."""
-    c = t.rest_samples if any(betas.values()) else []
-    return scaled(t, (statistics.median(c), betas)) if c else t.slot_samples
+def own_scaled(t: Any, slot: str, beta: float) -> list[float]:
+    """``slot``'s samples in ``t`` as :func:`scaled` gives them with ``beta``, relative to the trial's own median rest
+    (for the step-to-step spread within a trial)."""
+    v, c = t.slot_samples.get(slot, []), t.rest_samples
+    if not (beta and c) or (level := statistics.median(c)) <= 0:
+        return v
+    return [x / max(0.5, 1 + beta * (y / level - 1)) for x, y in zip(v, c)]
 
 
 class RestScaling:
@@ -136,29 +140,36 @@ class RestScaling:
     def _scaled(self, t: Any, norm: tuple[float, dict[str, float]] | None) -> dict[str, list[float]]:
         """:func:`scaled`, then :func:`capped` at the floors so far (``floor_cap``), kept while both stay (the racing
         rounds score every trial again); ``t.slot_samples`` where neither applies."""
-        tops = self._floor_tops()
+        tops, tops_key = self._floor_tops_keyed()
         if not norm and not tops:
             return t.slot_samples
-        key = ("scaled", t.index, norm and (norm[0], tuple(norm[1].items())), tuple(tops.items()))
-        if key not in self._cache:
-            self._cache[key] = capped(scaled(t, norm), tops)
-        return self._cache[key]
+        key = ("scaled", t.index, norm and (norm[0], tuple(norm[1].items())), tops_key)
+        if (out := self._cache.get(key)) is None:
+            out = self._cache[key] = capped(scaled(t, norm), tops)
+        return out
 
     def _floor_tops(self) -> dict[str, float]:
         """:func:`floor_tops` of the reference's steps so far ({} when ``floor_cap`` is 0), rounded so that the
-        trials' capped samples are computed again only when a floor moves; found again only when a trial of the
-        reference's comes in (the trials are only ever appended)."""
+        trials' capped samples are computed again only when a floor moves."""
+        return self._floor_tops_keyed()[0]
+
+    def _floor_tops_keyed(self) -> tuple[dict[str, float], tuple]:
+        """(:meth:`_floor_tops`, its items as a cache key), found again only when a trial of the reference's comes in
+        (the trials are only ever appended); looked up for every trial the racing scores, so kept cheap."""
         if self.opt.floor_cap <= 0:
-            return {}
-        done, per, tops = self._cache.get(("floor_tops",), (0, {}, {}))
-        if done < len(self.trials):
-            ref, new = self.trials[0].config, False
-            for t in self.trials[done:]:
-                if t.config == ref and not t.error:
-                    for s, v in t.slot_samples.items():
-                        per.setdefault(s, []).append(v)
-                    new = True
-            if new:
-                tops = {s: float(f"{v:.3g}") for s, v in sorted(floor_tops(per, self.opt.floor_cap).items())}
-            self._cache[("floor_tops",)] = (len(self.trials), per, tops)
-        return tops
+            return NO_TOPS
+        got = self._cache.get(("floor_tops",))
+        if got is not None and got[0] == len(self.trials):
+            return got[2]
+        done, per, keyed = got or (0, {}, NO_TOPS)
+        ref, new = self.trials[0].config, False
+        for t in self.trials[done:]:
+            if t.config == ref and not t.error:
+                for s, v in t.slot_samples.items():
+                    per.setdefault(s, []).append(v)
+                new = True
+        if new:
+            tops = {s: float(f"{v:.3g}") for s, v in sorted(floor_tops(per, self.opt.floor_cap).items())}
+            keyed = (tops, tuple(tops.items()))
+        self._cache[("floor_tops",)] = (len(self.trials), per, keyed)
+        return keyed

@@ -37,6 +37,7 @@ from megatron_tp_overlap.engine.trial import (  # noqa: F401
     TrialFailed,
     Verify,
     Work,
+    slot_order,
 )
 from megatron_tp_overlap.ub.rules import ValidationContext
 
@@ -140,11 +141,11 @@ class Searcher(Racing, Looks, FinalDecision, Budget):
 
     # -- coordinate search ------------------------------------------------------------------------
     def _slots_of(self, opt: Option) -> frozenset[str]:
-        if opt not in self._slots_cache:
-            self._slots_cache[opt] = frozenset(
+        if (slots := self._slots_cache.get(opt)) is None:
+            slots = self._slots_cache[opt] = frozenset(
                 s for g in (self.topo.coupled(opt.gemm) or {opt.gemm}) for s in self.topo.slots_of(g)
             )
-        return self._slots_cache[opt]
+        return slots
 
     def _valid(self, config: TuningConfig) -> bool:
         key = ("valid", config)
@@ -154,7 +155,7 @@ class Searcher(Racing, Looks, FinalDecision, Budget):
 
     def _score(self, samples: dict[str, list[float]], slots: frozenset[str]) -> list[float] | None:
         """Per-step sum over ``slots``; None when a slot was not timed."""
-        cols = [samples.get(s) for s in sorted(slots)]
+        cols = [samples.get(s) for s in slot_order(slots)]
         if any(not c for c in cols):
             return None
         return list(cols[0]) if len(cols) == 1 else [sum(x) for x in zip(*cols)]  # type: ignore[arg-type]

@@ -58,6 +58,7 @@ class PairColumns:
         self.rel: list[float] = []
         self.diff: list[float] = []
         self.level: list[float] = []
+        self._arrays: tuple[np.ndarray, ...] = ()  # the columns as arrays, as of their last length
 
     @classmethod
     def of(cls, pairs: Sequence[tuple[tuple[int, int], float, float, float]]) -> PairColumns:
@@ -73,7 +74,12 @@ class PairColumns:
         self.level.append(level)
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        return np.array(self.key, np.int64), np.array(self.rel), np.array(self.diff), np.array(self.level)
+        """The columns as arrays; pairs added since the last call are appended to them."""
+        done = len(self._arrays[0]) if self._arrays else 0
+        if not self._arrays or done != len(self.key):
+            new = np.array(self.key[done:], np.int64), *(np.array(c[done:]) for c in (self.rel, self.diff, self.level))
+            self._arrays = tuple(np.concatenate((a, b)) for a, b in zip(self._arrays, new)) if self._arrays else new
+        return self._arrays  # type: ignore[return-value]
 
 
 def positional_sd_columns(key: np.ndarray, rel: np.ndarray, diff: np.ndarray, level: np.ndarray) -> float:

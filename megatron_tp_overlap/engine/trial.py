@@ -7,7 +7,7 @@ import math
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cache, cached_property
 from typing import Any
 
 from megatron_tp_overlap.engine import paired
@@ -366,3 +366,9 @@ class SearchResult:
     cut_short: str | None = None  # what the budget left unmeasured in the search (None: it ran to the end)
     search_end: str = ""  # why the re-measurement rounds ended (the budget, or an early stop and why)
     coverage: dict[str, dict] = field(default_factory=dict)  # per slot: what was tried and what was left
+
+
+@cache
+def slot_order(slots: frozenset[str]) -> tuple[str, ...]:
+    """``slots`` sorted, once per set (the search sums the same sets' per-step samples in this order again and again)."""
+    return tuple(sorted(slots))
