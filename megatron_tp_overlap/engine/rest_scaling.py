@@ -97,10 +97,12 @@ def scaled(t: Any, norm: Norm) -> dict[str, list[float]]:
     c = t.rest_samples if level > 0 and any(betas.values()) else []
     if not c:
         return t.slot_samples
-    return {
-        s: [x / max(0.5, 1 + b * (y / level - 1)) for x, y in zip(v, c)] if (b := betas.get(s, 0.0)) else v
-        for s, v in t.slot_samples.items()
-    }
+    return {s: over_rest(v, c, level, b) if (b := betas.get(s, 0.0)) else v for s, v in t.slot_samples.items()}
+
+
+def over_rest(v: list[float], rest: list[float], level: float, beta: float) -> list[float]:
+    """One slot's per-step ms ``v`` over ``1 + beta (rest / level - 1)`` (at least 0.5), step by step."""
+    return [x / max(0.5, 1 + beta * (y / level - 1)) for x, y in zip(v, rest)]
 
 
 def own_scaled(t: Any, slot: str, beta: float) -> list[float]:
@@ -109,7 +111,7 @@ def own_scaled(t: Any, slot: str, beta: float) -> list[float]:
     v, c = t.slot_samples.get(slot, []), t.rest_samples
     if not (beta and c) or (level := statistics.median(c)) <= 0:
         return v
-    return [x / max(0.5, 1 + beta * (y / level - 1)) for x, y in zip(v, c)]
+    return over_rest(v, c, level, beta)
 
 
 class RestScaling:
