@@ -98,3 +98,29 @@ def test_a_whole_step_slower_by_chance_no_longer_keeps_the_reference_at_99():
     assert at == {0.95: 0.0, 0.99: 1.0}
     with pytest.raises(ValueError, match=r"step_level = 1.0: must be in \[0.5, 1\)"):
         SearchOptions(step_level=1.0)
+
+
+def test_the_step_spread_kept_per_slot_and_slope_is_the_one_from_every_trial_at_the_last_slopes():
+    """The racing keeps each slot's step differences per slope on the rest and adds only new trials' (engine/racing.py,
+    the forty-eighth session's speed-up): after a `hostrest` search whose slopes moved as its trials came in, the
+    spread is :func:`stats.pooled_sigma` over every trial's samples scaled at the last slopes, to the last bit."""
+    from megatron_tp_overlap.engine import stats
+    from megatron_tp_overlap.engine.search import Searcher
+    from megatron_tp_overlap.engine.space import TuningConfig, build_space
+    from megatron_tp_overlap.ub.config import UbConfig
+
+    rng = random.Random(sim.GAIN_SEED + 1)
+    space = build_space(sim.TOPO, sim.CTX, [UbConfig()])
+    world = sim.make_world(space, sim.seed_gain(1), rng)
+    s = Searcher(sim.TOPO, space, sim.SimulatedRun(world, "hostrest", rng), sim.CTX, SearchOptions(max_seconds=60))
+    s.run(TuningConfig(UbConfig(), frozenset(), "reference"), {})
+    kept = {k[1:] for k in s._cache if k[0] == "sigma_acc"}  # (slot, slope) pairs the search kept differences for
+    assert len(kept) > len({slot for slot, _ in kept})  # a slope moved during the search
+    betas = s._betas()
+    groups = []
+    for t in s.trials:
+        for slot in t.slot_samples:
+            v = rest_scaling.own_scaled(t, slot, betas.get(slot, 0.0))
+            if v and (m := statistics.median(v)) > 0:
+                groups.append([x / m for x in v])
+    assert s._sigma() == stats.pooled_sigma(groups, positional=True) > 0
