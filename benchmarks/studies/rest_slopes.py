@@ -8,7 +8,7 @@ issue 46's forty-seventh session), at the fitted slope capped at ``--cap`` and u
 real L- and M-shaped FP8 forwards moved 1.8-5.6x the rest, so the cap of 1 left most of what they share with it
 (``SearchOptions.rest_beta_max``; benchmarks/results/2026-11-25_cpu/decision_sim/, forty-seventh section).
 
-    python benchmarks/studies/rest_slopes.py DIR_OR_JSON ... [--cap 4]
+    python benchmarks/studies/rest_slopes.py DIR_OR_JSON ... [--cap N]
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from megatron_tp_overlap.engine import rest_scaling
+from megatron_tp_overlap.engine.trial import SearchOptions
 
 
 def trials_of(rows: list[list]) -> list[SimpleNamespace]:
@@ -50,7 +51,7 @@ def trial_slope(trials: list[SimpleNamespace]) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("paths", nargs="+", help="search_on_real_steps.json files or folders holding them")
-    p.add_argument("--cap", type=float, default=4.0, help="the slope's cap (SearchOptions.rest_beta_max)")
+    p.add_argument("--cap", type=float, default=SearchOptions.rest_beta_max, help="the slope's cap (the search's)")
     a = p.parse_args()
     files = [
         f for x in map(Path, a.paths) for f in ([x] if x.is_file() else sorted(x.rglob("search_on_real_steps.json")))
