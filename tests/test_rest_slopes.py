@@ -124,3 +124,45 @@ def test_the_step_spread_kept_per_slot_and_slope_is_the_one_from_every_trial_at_
             if v and (m := statistics.median(v)) > 0:
                 groups.append([x / m for x in v])
     assert s._sigma() == stats.pooled_sigma(groups, positional=True) > 0
+
+
+def _host_trials(n: int = 30) -> list[Trial]:
+    """``n`` reference trials of 6 steps: a host that is slow in stretches (slow after slow 0.73, after fast 0.16, as
+    decision_sim hostmax), the rest 12% longer then; proj.fwd at its 0.29 ms floor or 1.4-2.7x it when slow (two
+    states), qkv.fwd moving 6x the rest's relative change (a line), the rest 3% apart between trials."""
+    rng, out, slow = random.Random(7), [], False
+    for i in range(n):
+        level, slots, rest = rng.gauss(0, 0.03), {"qkv.fwd": [], "proj.fwd": []}, []
+        for _ in range(6):
+            slow = rng.random() < (0.73 if slow else 0.16)
+            rest.append(level + rng.gauss(0, 0.02) + (0.12 if slow else 0.0))
+            slots["qkv.fwd"].append(2.0 * (1 + 6.0 * rest[-1]) * (1 + rng.gauss(0, 0.01)))
+            slots["proj.fwd"].append(0.29 * (rng.uniform(1.4, 2.7) if slow else 1 + rng.gauss(0, 0.01)))
+        steps = [30.0 * (1 + r) + a + b for r, a, b in zip(rest, slots["qkv.fwd"], slots["proj.fwd"])]
+        out.append(Trial(i, "halving", None, {}, step_samples=steps, position=float(i), slot_samples=slots))
+    return out
+
+
+class _Search(rest_scaling.RestScaling):
+    def __init__(self, trials: list[Trial], opt: SearchOptions):
+        self.trials, self.opt, self._cache = trials, opt, {}
+
+
+def test_a_slot_at_a_floor_keeps_its_slope_at_floor_beta_max_while_a_line_goes_up_to_rest_beta_max():
+    """A host that switches between two states (proj.fwd at its floor or far above it) fits a slope on the rest of
+    6.3 here, yet scaling by it pushes the slow steps into the fast ones (decision_sim hostmax 49 took 56.4% of its
+    gain at 8, all of it at 4); a slot that moves as a line with the rest (real GLM-4-9B-like FP8 proj.fwd: 5.9-6.7x,
+    benchmarks/results/2026-11-29_h200x2/) has no floor and keeps its slope up to rest_beta_max."""
+    trials = _host_trials()
+    assert rest_scaling.fit_betas(trials, 100.0) == {"qkv.fwd": 5.0, "proj.fwd": 6.3}
+    assert _Search(trials, SearchOptions())._floor_tops() == {"proj.fwd": 0.302}  # the two-state slot only
+
+    def betas(**kw) -> dict[str, float]:
+        return _Search(trials, SearchOptions(**kw))._betas()
+
+    assert betas() == {"qkv.fwd": 4.0, "proj.fwd": 4.0}  # the defaults: 4 for both
+    assert betas(rest_beta_max=8.0) == {"qkv.fwd": 5.0, "proj.fwd": 4.0}
+    assert betas(rest_beta_max=8.0, floor_beta_max=8.0) == {"qkv.fwd": 5.0, "proj.fwd": 6.3}
+    assert betas(rest_beta_max=8.0, floor_cap=0.0) == {"qkv.fwd": 5.0, "proj.fwd": 6.3}  # no floors looked for
+    with pytest.raises(ValueError, match="floor_beta_max = 0.0: must be > 0"):
+        SearchOptions(floor_beta_max=0.0)

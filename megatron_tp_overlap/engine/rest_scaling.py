@@ -128,7 +128,8 @@ class RestScaling:
         return self._cache[key]
 
     def _betas(self) -> dict[str, float]:
-        """:func:`fit_betas` over every trial so far ({} when ``rest_norm`` is off)."""
+        """:func:`fit_betas` over every trial so far ({} when ``rest_norm`` is off), at most ``floor_beta_max`` for
+        the slots at a floor so far (:meth:`_floor_tops`)."""
         if not self.opt.rest_norm:
             return {}
         done, sums, betas = self._cache.get(("beta_sums",), (0, {}, {}))
@@ -136,6 +137,9 @@ class RestScaling:
             for t in self.trials[done:]:
                 add(sums, t)
             done, betas = len(self.trials), betas_of(sums, self.opt.rest_beta_max)
+            if self.opt.floor_beta_max < self.opt.rest_beta_max:
+                tops = self._floor_tops()
+                betas = {s: min(b, self.opt.floor_beta_max) if s in tops else b for s, b in betas.items()}
             self._cache[("beta_sums",)] = (done, sums, betas)
         return betas
 

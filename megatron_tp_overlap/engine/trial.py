@@ -133,8 +133,12 @@ class SearchOptions:
     rest_norm: int = 1
     # ... each slot's slope on the rest at most this: on real L/M-shaped FP8 steps on one H200 host-bound forwards
     # moved 1.8-5.6x the rest's relative change, between steps and between trials alike (1 until issue 46's
-    # forty-seventh session; at 8 decision_sim hostmax seed 49 took 56.4% of its gain, at 4 all of it)
+    # forty-seventh session)
     rest_beta_max: float = 4.0
+    # ... and at most this for a slot at a floor with stretches above it (engine/floors.py: a host that switches
+    # between two states, not a line; decision_sim hostmax 49 at 8 took 56.4% of its gain, at 4 all of it), so that
+    # rest_beta_max can go above it for the slots that do move as a line (GLM-4-9B-like FP8 proj.fwd: 5.9-6.7x)
+    floor_beta_max: float = 4.0
     # 1: the final decision's slots are scaled so too (the betas and the reference's rest level as fitted before it,
     # the same for both configs, so an equal pair stays exchangeable); the whole step and the rest guard unscaled
     decision_rest_norm: int = 1
@@ -270,8 +274,9 @@ class SearchOptions:
                 raise ValueError(f"{k} = {getattr(self, k)}: must be 0 or 1")
         if self.trial_own_diffs < 0:
             raise ValueError(f"trial_own_diffs = {self.trial_own_diffs}: must be >= 0 (0: the pooled test only)")
-        if self.rest_beta_max <= 0:
-            raise ValueError(f"rest_beta_max = {self.rest_beta_max}: must be > 0 (rest_norm=0 turns the scaling off)")
+        for k in ("rest_beta_max", "floor_beta_max"):
+            if getattr(self, k) <= 0:
+                raise ValueError(f"{k} = {getattr(self, k)}: must be > 0 (rest_norm=0 turns the scaling off)")
         if self.floor_cap < 0:
             raise ValueError(f"floor_cap = {self.floor_cap}: must be >= 0 (0: steps are not capped)")
         if self.clip_sds < 0:
