@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import lzma
 import math
 import os
 import statistics
@@ -28,7 +29,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # the heaviest tuning committed: 118 trials, 77 switches, 308 steps in 54 s on 2 H200s (Megatron-LM, qwen14b-like)
-REPORT = ROOT / "benchmarks/results/2026-11-23_h200x2/tenth/call3/exit_qwen14b/megatron_qwen14b_like_tuned.report.json"
+REPORT = (
+    ROOT / "benchmarks/results/2026-11-23_h200x2/tenth/call3/exit_qwen14b/megatron_qwen14b_like_tuned.report.json.xz"
+)
 BUDGET_S = 60.0
 
 
@@ -37,7 +40,7 @@ def tuning_points(report: Path = REPORT, step_checks: bool = True) -> list[int]:
     each agrees on: a switch's barriers (2; 1 without step checks) and its check, then with step checks one after the
     warm-up step and after each timed step but the last, and the trial's own agreement (engine.lockstep
     .STEP_CHECKS_UP_TO: jobs beyond it agree after the switch and at the end of a trial only)."""
-    r = json.loads(report.read_text())
+    r = json.loads(lzma.open(report).read() if report.suffix == ".xz" else report.read_text())
     trials, switches = r["trials"], r["meta"]["switches"]
     slots = max(len(t.get("slot_ms") or {}) for t in trials)
     every = len(trials) / max(1, switches)  # which trials switched is not recorded: spread them evenly

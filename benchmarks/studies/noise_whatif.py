@@ -1,0 +1,134 @@
+"""Would the search meet issue 46's bar if a decision_sim scenario's forwards moved as real steps measured them?
+
+    python benchmarks/studies/noise_whatif.py --real DIR ...                      # what real searches measured
+    python benchmarks/studies/noise_whatif.py --scenario hostrest --noise qkv.fwd=0.06,0.05 proj.fwd=0.085,0.07 \
+        --slopes qkv.fwd=4.1 proj.fwd=6.3 fc2.fwd=1.8 fc1.fwd=0.6 --rest-spread 0.07 0.022 --calibrate 4
+    python benchmarks/studies/noise_whatif.py ... --seeds 0-99                     # the table's rule on those worlds
+
+The figures compared are the search's own, on both sides: per forward slot, ``per_slot``'s ``rest_scaled_by`` (the
+slope it scaled by), ``trial_level_pct`` (the trials' level left after scaling) and ``step_spread_pct``, which
+``search_on_real_steps.py`` keeps per search (``--real``) and ``Searcher.coverage_report`` gives in the simulator
+(``--calibrate N``: seeds 0..N-1, a gain world and an equal one each). ``--noise SLOT=STEP,TRIAL``: the slot's
+relative spread per step and per trial in the scenario (decision_sim ``NOISE``); ``--slopes SLOT=B``: how many times
+the rest's relative change each slot follows, and ``--rest-spread TRIAL STEP``: how far the rest moves (``hostrest``
+only: ``disturbances.REST_SLOPE``, ``REST_SPREAD``). ``--seeds A-B``: ``decision_sim.evaluate_rule`` on those table
+seeds (gain and equal worlds), as its table prints them; two processes over halves give the 200-seed table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from contextlib import contextmanager
+from pathlib import Path
+
+from search_on_real_steps import parse_variant  # the study's own (this folder is on sys.path)
+
+from megatron_tp_overlap.engine.search import SearchOptions
+from megatron_tp_overlap.tools.research import decision_sim as sim
+from megatron_tp_overlap.tools.research import disturbances as dist
+
+FORWARDS = ("qkv.fwd", "proj.fwd", "fc1.fwd", "fc2.fwd")
+FIELDS = ("rest_scaled_by", "trial_level_pct", "step_spread_pct")
+
+
+@contextmanager
+def moved(scenario: str, noise: dict[str, tuple[float, float]], slopes: dict[str, float] | None, spread=None):
+    """decision_sim with ``scenario``'s slots at ``noise`` (slot: (step, trial) relative spreads), the rest's slopes
+    and spread replaced where given; everything put back on exit."""
+    old = sim.NOISE.get(scenario), dict(dist.REST_SLOPE), dist.REST_SPREAD
+    base = sim.NOISE.get(scenario) or {s: (0.0, dist.SLOT_NOISE, 0.0) for s in sim.SLOTS}
+    sim.NOISE[scenario] = base | {s: (base.get(s, (0.0,))[0], step, trial) for s, (step, trial) in noise.items()}
+    if slopes is not None:
+        dist.REST_SLOPE.clear()
+        dist.REST_SLOPE.update(slopes)
+    dist.REST_SPREAD = tuple(spread) if spread else dist.REST_SPREAD
+    try:
+        yield
+    finally:
+        if old[0] is None:
+            sim.NOISE.pop(scenario)
+        else:
+            sim.NOISE[scenario] = old[0]
+        dist.REST_SLOPE.clear()
+        dist.REST_SLOPE.update(old[1])
+        dist.REST_SPREAD = old[2]
+
+
+def medians(reports: list[dict[str, dict]]) -> dict[str, tuple[float, ...]]:
+    """Per forward slot, the median of each of ``FIELDS`` over the searches' per-slot reports."""
+    return {
+        s: tuple(statistics.median(r[s][f] for r in reports if s in r) for f in FIELDS)
+        for s in FORWARDS
+        if any(s in r for r in reports)
+    }
+
+
+def simulated(scenario: str, n: int, options: SearchOptions) -> list[dict[str, dict]]:
+    """The per-slot reports of ``n`` gain and ``n`` equal searches (table seeds 0..n-1)."""
+    got = []
+
+    class Kept(sim.Searcher):
+        def run(self, *a, **k):
+            out = super().run(*a, **k)
+            got.append(self.coverage_report)
+            return out
+
+    searcher, sim.Searcher = sim.Searcher, Kept
+    try:
+        for s in range(n):
+            sim.run_once(scenario, sim.seed_gain(s), sim.GAIN_SEED + s, options)
+            sim.run_once(scenario, 0.0, sim.EQUAL_SEED + s, options)
+    finally:
+        sim.Searcher = searcher
+    return got
+
+
+def real(paths: list[str]) -> list[tuple[str, dict[str, dict]]]:
+    """(seed and kind, per-slot report) of every search in ``search_on_real_steps.json`` files or folders."""
+    files = [
+        f for x in map(Path, paths) for f in ([x] if x.is_file() else sorted(x.rglob("search_on_real_steps.json")))
+    ]
+    return [(f"{r['seed']} {r['kind']}", r["per_slot"]) for f in files for r in json.loads(f.read_text())["runs"]]
+
+
+def _pairs(items: list[str], n: int) -> dict[str, tuple[float, ...]]:
+    out = {}
+    for it in items:
+        slot, _, vals = it.partition("=")
+        out[slot] = tuple(float(v) for v in vals.split(","))
+        if len(out[slot]) != n:
+            raise SystemExit(f"{it}: expected SLOT={','.join(['X'] * n)}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--scenario", default="hostrest", choices=sim.SCENARIOS)
+    p.add_argument("--noise", nargs="*", default=[], metavar="SLOT=STEP,TRIAL")
+    p.add_argument("--slopes", nargs="*", metavar="SLOT=B", help="the rest's slopes (hostrest); every slot not named 0")
+    p.add_argument("--rest-spread", nargs=2, type=float, metavar=("TRIAL", "STEP"))
+    p.add_argument(
+        "--set", default="", metavar="KEY=NUMBER[,KEY=NUMBER]", help="search options other than the defaults"
+    )
+    p.add_argument("--calibrate", type=int, default=0, metavar="N", help="print the search's own figures over N seeds")
+    p.add_argument("--seeds", metavar="A-B", help="decision_sim's rule on table seeds A..B-1")
+    p.add_argument("--real", nargs="*", default=[], metavar="PATH", help="real searches' figures, per search")
+    a = p.parse_args(argv)
+    for name, per_slot in real(a.real):
+        print(name, " ".join(f"{s} " + "/".join(f"{per_slot[s][f]:.1f}" for f in FIELDS) for s in FORWARDS))
+    options = SearchOptions(**parse_variant(a.set))
+    slopes = {s: b for s, (b,) in _pairs(a.slopes, 1).items()} if a.slopes is not None else None
+    with moved(a.scenario, _pairs(a.noise, 2), slopes, a.rest_spread):  # type: ignore[arg-type]
+        if a.calibrate:
+            print(f"| {a.scenario} slot | slope | trial level % | step spread % |\n|---|---|---|---|")
+            for s, v in medians(simulated(a.scenario, a.calibrate, options)).items():
+                print(f"| `{s}` | " + " | ".join(f"{x:.1f}" for x in v) + " |")
+        if a.seeds:
+            lo, hi = map(int, a.seeds.split("-"))
+            print(json.dumps(sim.evaluate_rule(list(range(lo, hi)), (a.scenario,), options)))
+
+
+if __name__ == "__main__":
+    main()

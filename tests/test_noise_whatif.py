@@ -1,0 +1,39 @@
+"""benchmarks/studies/noise_whatif.py: a decision_sim scenario's forwards moved to what real searches measured."""
+
+import json
+import random
+import sys
+
+import pytest
+from benchmark_module import BENCHMARKS, load_benchmark
+
+from megatron_tp_overlap.tools.research import decision_sim as sim
+from megatron_tp_overlap.tools.research import disturbances as dist
+
+sys.path.insert(0, str(BENCHMARKS / "studies"))  # the study imports search_on_real_steps from its folder
+nw = load_benchmark("noise_whatif")
+
+
+def test_a_whatif_moves_only_the_named_slots_and_the_rest_and_puts_everything_back():
+    before = dict(sim.NOISE["hostrest"]), dict(dist.REST_SLOPE), dist.REST_SPREAD
+    with nw.moved("hostrest", {"proj.fwd": (0.085, 0.07)}, {"proj.fwd": 6.3, "qkv.fwd": 4.1}, (0.07, 0.022)):
+        run = sim.SimulatedRun(sim.World({}), "hostrest", random.Random(0))
+        assert run.wide["proj.fwd"] == (0.0, 0.085, 0.07) and run.trial_sd["proj.fwd"] == 0.07
+        assert run.wide["qkv.fwd"] == before[0]["qkv.fwd"]  # not named: as the scenario has it
+        assert run.slope == {"proj.fwd": 6.3, "qkv.fwd": 4.1} and dist.REST_SPREAD == (0.07, 0.022)
+        assert run.extra["proj.fwd"] == pytest.approx(
+            1.2 - sim.GEMM_MS * len(sim.SLOTS["proj.fwd"])
+        )  # its real size stays (FWD_FASTEST)
+    assert (sim.NOISE["hostrest"], dist.REST_SLOPE, dist.REST_SPREAD) == before
+
+
+def test_real_searches_figures_are_read_per_search_and_a_bad_slot_spec_names_itself(tmp_path):
+    slot = {"rest_scaled_by": 4.0, "trial_level_pct": 14.0, "step_spread_pct": 9.8}
+    runs = [{"seed": 29500, "kind": "gain", "per_slot": {"proj.fwd": slot}}]
+    (tmp_path / "g0").mkdir()
+    (tmp_path / "g0" / "search_on_real_steps.json").write_text(json.dumps({"runs": runs}))
+    got = nw.real([str(tmp_path)])
+    assert got == [("29500 gain", {"proj.fwd": slot})]
+    assert nw.medians([got[0][1], {"proj.fwd": slot | {"trial_level_pct": 16.0}}]) == {"proj.fwd": (4.0, 15.0, 9.8)}
+    with pytest.raises(SystemExit, match="proj.fwd=0.1: expected SLOT=X,X"):
+        nw._pairs(["proj.fwd=0.1"], 2)
