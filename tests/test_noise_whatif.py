@@ -15,16 +15,19 @@ nw = load_benchmark("noise_whatif")
 
 
 def test_a_whatif_moves_only_the_named_slots_and_the_rest_and_puts_everything_back():
-    before = dict(sim.NOISE["hostrest"]), dict(dist.REST_SLOPE), dist.REST_SPREAD
-    with nw.moved("hostrest", {"proj.fwd": (0.085, 0.07)}, {"proj.fwd": 6.3, "qkv.fwd": 4.1}, (0.07, 0.022)):
+    before = dict(sim.NOISE["hostrest"]), dict(dist.REST_SLOPE), dist.REST_SPREAD, dist.HOST_MODES
+    with nw.moved(
+        "hostrest", {"proj.fwd": (0.085, 0.07)}, {"proj.fwd": 6.3, "qkv.fwd": 4.1}, (0.07, 0.022), (0.9, 0.44)
+    ):
         run = sim.SimulatedRun(sim.World({}), "hostrest", random.Random(0))
         assert run.wide["proj.fwd"] == (0.0, 0.085, 0.07) and run.trial_sd["proj.fwd"] == 0.07
         assert run.wide["qkv.fwd"] == before[0]["qkv.fwd"]  # not named: as the scenario has it
         assert run.slope == {"proj.fwd": 6.3, "qkv.fwd": 4.1} and dist.REST_SPREAD == (0.07, 0.022)
+        assert dist.HOST_MODES == (0.9, 0.44)  # hostmax's host, slow in 81% of the steps
         assert run.extra["proj.fwd"] == pytest.approx(
             1.2 - sim.GEMM_MS * len(sim.SLOTS["proj.fwd"])
         )  # its real size stays (FWD_FASTEST)
-    assert (sim.NOISE["hostrest"], dist.REST_SLOPE, dist.REST_SPREAD) == before
+    assert (sim.NOISE["hostrest"], dist.REST_SLOPE, dist.REST_SPREAD, dist.HOST_MODES) == before
 
 
 def test_real_searches_figures_are_read_per_search_and_a_bad_slot_spec_names_itself(tmp_path):

@@ -11,7 +11,8 @@ slope it scaled by), ``trial_level_pct`` (the trials' level left after scaling) 
 (``--calibrate N``: seeds 0..N-1, a gain world and an equal one each). ``--noise SLOT=STEP,TRIAL``: the slot's
 relative spread per step and per trial in the scenario (decision_sim ``NOISE``); ``--slopes SLOT=B``: how many times
 the rest's relative change each slot follows, and ``--rest-spread TRIAL STEP``: how far the rest moves (``hostrest``
-only: ``disturbances.REST_SLOPE``, ``REST_SPREAD``). ``--seeds A-B``: ``decision_sim.evaluate_rule`` on those table
+only: ``disturbances.REST_SLOPE``, ``REST_SPREAD``); ``--host-modes``: how often ``hostmax``'s host is slow
+(``disturbances.HOST_MODES``). ``--seeds A-B``: ``decision_sim.evaluate_rule`` on those table
 seeds (gain and equal worlds), as its table prints them; two processes over halves give the 200-seed table.
 """
 
@@ -34,16 +35,20 @@ FIELDS = ("rest_scaled_by", "trial_level_pct", "step_spread_pct")
 
 
 @contextmanager
-def moved(scenario: str, noise: dict[str, tuple[float, float]], slopes: dict[str, float] | None, spread=None):
+def moved(
+    scenario: str, noise: dict[str, tuple[float, float]], slopes: dict[str, float] | None, spread=None, modes=None
+):
     """decision_sim with ``scenario``'s slots at ``noise`` (slot: (step, trial) relative spreads), the rest's slopes
-    and spread replaced where given; everything put back on exit."""
-    old = sim.NOISE.get(scenario), dict(dist.REST_SLOPE), dist.REST_SPREAD
+    and spread and ``hostmax``'s host modes (P(slow | slow), P(slow | fast)) replaced where given; everything put
+    back on exit."""
+    old = sim.NOISE.get(scenario), dict(dist.REST_SLOPE), dist.REST_SPREAD, dist.HOST_MODES
     base = sim.NOISE.get(scenario) or {s: (0.0, dist.SLOT_NOISE, 0.0) for s in sim.SLOTS}
     sim.NOISE[scenario] = base | {s: (base.get(s, (0.0,))[0], step, trial) for s, (step, trial) in noise.items()}
     if slopes is not None:
         dist.REST_SLOPE.clear()
         dist.REST_SLOPE.update(slopes)
     dist.REST_SPREAD = tuple(spread) if spread else dist.REST_SPREAD
+    dist.HOST_MODES = tuple(modes) if modes else dist.HOST_MODES
     try:
         yield
     finally:
@@ -53,7 +58,7 @@ def moved(scenario: str, noise: dict[str, tuple[float, float]], slopes: dict[str
             sim.NOISE[scenario] = old[0]
         dist.REST_SLOPE.clear()
         dist.REST_SLOPE.update(old[1])
-        dist.REST_SPREAD = old[2]
+        dist.REST_SPREAD, dist.HOST_MODES = old[2], old[3]
 
 
 def medians(reports: list[dict[str, dict]]) -> dict[str, tuple[float, ...]]:
@@ -109,6 +114,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--noise", nargs="*", default=[], metavar="SLOT=STEP,TRIAL")
     p.add_argument("--slopes", nargs="*", metavar="SLOT=B", help="the rest's slopes (hostrest); every slot not named 0")
     p.add_argument("--rest-spread", nargs=2, type=float, metavar=("TRIAL", "STEP"))
+    p.add_argument("--host-modes", nargs=2, type=float, metavar=("SLOW_AFTER_SLOW", "SLOW_AFTER_FAST"), help="hostmax")
     p.add_argument(
         "--set", default="", metavar="KEY=NUMBER[,KEY=NUMBER]", help="search options other than the defaults"
     )
@@ -120,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
         print(name, " ".join(f"{s} " + "/".join(f"{per_slot[s][f]:.1f}" for f in FIELDS) for s in FORWARDS))
     options = SearchOptions(**parse_variant(a.set))
     slopes = {s: b for s, (b,) in _pairs(a.slopes, 1).items()} if a.slopes is not None else None
-    with moved(a.scenario, _pairs(a.noise, 2), slopes, a.rest_spread):  # type: ignore[arg-type]
+    with moved(a.scenario, _pairs(a.noise, 2), slopes, a.rest_spread, a.host_modes):  # type: ignore[arg-type]
         if a.calibrate:
             print(f"| {a.scenario} slot | slope | trial level % | step spread % |\n|---|---|---|---|")
             for s, v in medians(simulated(a.scenario, a.calibrate, options)).items():
