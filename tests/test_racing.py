@@ -131,6 +131,26 @@ def test_a_budget_that_leaves_no_time_to_race_says_so_once_with_a_budget_that_wo
     assert not raced and remeasured >= 66 and res.elapsed_s <= suggested  # most of a round
 
 
+def test_a_later_pass_that_the_budget_leaves_no_time_to_race_names_itself_and_the_config_before_it_stands():
+    """Real GLM-4-9B-like FP8 steps on one H200 (seed 29500, benchmarks/results/2026-11-29_h200x2/): the first pass
+    settled at 69 s of 180 and took the gain; a second pass began at 150.7 s and re-measured 10 of its 88 screened
+    options, and the log said "the budget (180 s) left no time to race ... try a budget of about 191 s", as if the
+    search had been cut short. The line names the pass now. The same on simulated steps at that clock (0.05 s per
+    step, 0.21 s per switch), in a 100 s budget: the first pass's config, all of the gain, stands."""
+    space = sim.build_space(sim.TOPO, sim.CTX, [sim.UbConfig()])
+    ref = sim.TuningConfig(sim.UbConfig(), frozenset(), "reference")
+    world = sim.make_world(space, sim.seed_gain(0), random.Random(sim.GAIN_SEED))
+    lines: list[str] = []
+    run = sim.Clocked(sim.SimulatedRun(world, "iid", random.Random(0)), 0.05, 0.21, 0.05)
+    res = Searcher(sim.TOPO, space, run, sim.CTX, SearchOptions(max_seconds=100), log=lines.append).run(
+        ref, {"no overlap": sim.all_off(sim.TOPO, ref)}
+    )
+    starved = [x for x in lines if "left no time to race" in x]
+    lead = "[tp-overlap-autotune] second pass, from the config of the first pass: the budget (100 s) left no time"
+    assert len(starved) == 1 and starved[0].startswith(lead) and "10 of 88 screened options" in starved[0]
+    assert res.best_name == "autotuned" and world.step_ms(res.best) == world.step_ms(sim.best_config(world, space, ref))
+
+
 def test_a_hostbound_gain_the_search_leaves_undecided_is_handed_on_to_the_in_run_verification_in_full():
     """decision_sim hostbound seed 146 (a 1.1% gain, MoE-like host-bound noise): the final decision ends at the budget
     within the noise and keeps the reference (realized 0), but hands the config ahead to the in-run verification,

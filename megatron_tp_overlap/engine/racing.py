@@ -278,9 +278,10 @@ class Racing(rest_scaling.RestScaling):
         if (untried or (race.unsettled and race.upside_ms >= worth)) and len(race.raw) <= len(first):
             # the reserve took what the screening left: slow steps and switches (Qwen3-MoE-like trials on one H100,
             # 0.14 s per step: 1.6 s of racing in a 60 s budget); say so, with what one round would need
-            more = self._round_seconds(race)
+            more, later = self._round_seconds(race), self.search_name != type(self).search_name  # a later pass
+            lead = f"{self.search_name}, from the config of the {self.reference_name}: " if later else ""  # it stands
             race.ended = (
-                f"[tp-overlap-autotune] the budget ({o.budget_text()}) left no time to race: {len(race.raw)} of "
+                f"[tp-overlap-autotune] {lead}the budget ({o.budget_text()}) left no time to race: {len(race.raw)} of "
                 f"{len(screened)} screened options re-measured (the best-screened of each GEMM), "
                 f"{len(race.unsettled)} left unsettled; one round over them needs about {more:.0f} s more "
                 f"({self._rates()[0]:.2f} s per step, {self._rates()[1]:.2f} s per switch here): try a budget of about "
