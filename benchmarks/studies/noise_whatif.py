@@ -3,7 +3,7 @@
     python benchmarks/studies/noise_whatif.py --real DIR ...                      # what real searches measured
     python benchmarks/studies/noise_whatif.py --scenario hostrest --noise qkv.fwd=0.06,0.05 proj.fwd=0.085,0.07 \
         --slopes qkv.fwd=4.1 proj.fwd=6.3 fc2.fwd=1.8 fc1.fwd=0.6 --rest-spread 0.07 0.022 --calibrate 4
-    python benchmarks/studies/noise_whatif.py ... --seeds 0-99                     # the table's rule on those worlds
+    python benchmarks/studies/noise_whatif.py ... --seeds 0-100                    # the table's rule on seeds 0-99
 
 The figures compared are the search's own, on both sides: per forward slot, ``per_slot``'s ``rest_scaled_by`` (the
 slope it scaled by), ``trial_level_pct`` (the trials' level left after scaling) and ``step_spread_pct``, which
