@@ -38,5 +38,22 @@ def test_real_searches_figures_are_read_per_search_and_a_bad_slot_spec_names_its
     got = nw.real([str(tmp_path)])
     assert got == [("29500 gain", {"proj.fwd": slot})]
     assert nw.medians([got[0][1], {"proj.fwd": slot | {"trial_level_pct": 16.0}}]) == {"proj.fwd": (4.0, 15.0, 9.8)}
-    with pytest.raises(SystemExit, match="proj.fwd=0.1: expected SLOT=X,X"):
+    with pytest.raises(ValueError, match="proj.fwd=0.1: expected SLOT=X,X"):
         nw._pairs(["proj.fwd=0.1"], 2)
+
+
+@pytest.mark.parametrize(
+    "args,line",
+    [
+        (["--noise", "proj.fwd=0.1,x"], "proj.fwd=0.1,x: expected SLOT=X,X (numbers)"),
+        (["--slopes", "prj.fwd=6"], "prj.fwd: not a slot"),
+        (["--seeds", "0-x"], "invalid literal for int()"),
+        (["--set", "rest_beta_max=0"], "--set 'rest_beta_max=0': rest_beta_max = 0.0: must be > 0"),
+    ],
+)
+def test_a_bad_value_ends_the_study_with_one_line_and_exit_2_before_any_search(args, line, capsys):
+    with pytest.raises(SystemExit) as e:
+        nw.main(args)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and ": error: " in err[-1] and line in err[-1]  # argparse's usage, then the one line
+    nw.main(["--noise", "proj.fwd=0.1,0.1", "--slopes", "qkv.fwd=4"])  # slots that are there: no search, no error

@@ -3,7 +3,7 @@
     python benchmarks/studies/noise_whatif.py --real DIR ...                      # what real searches measured
     python benchmarks/studies/noise_whatif.py --scenario hostrest --noise qkv.fwd=0.06,0.05 proj.fwd=0.085,0.07 \
         --slopes qkv.fwd=4.1 proj.fwd=6.3 fc2.fwd=1.8 fc1.fwd=0.6 --rest-spread 0.07 0.022 --calibrate 4
-    python benchmarks/studies/noise_whatif.py ... --seeds 0-100                    # the table's rule on seeds 0-99
+    python benchmarks/studies/noise_whatif.py ... --seeds 0-99                     # the table's rule on those worlds
 
 The figures compared are the search's own, on both sides: per forward slot, ``per_slot``'s ``rest_scaled_by`` (the
 slope it scaled by), ``trial_level_pct`` (the trials' level left after scaling) and ``step_spread_pct``, which
@@ -12,8 +12,9 @@ slope it scaled by), ``trial_level_pct`` (the trials' level left after scaling) 
 relative spread per step and per trial in the scenario (decision_sim ``NOISE``); ``--slopes SLOT=B``: how many times
 the rest's relative change each slot follows, and ``--rest-spread TRIAL STEP``: how far the rest moves (``hostrest``
 only: ``disturbances.REST_SLOPE``, ``REST_SPREAD``); ``--host-modes``: how often ``hostmax``'s host is slow
-(``disturbances.HOST_MODES``). ``--seeds A-B``: ``decision_sim.evaluate_rule`` on those table
-seeds (gain and equal worlds), as its table prints them; two processes over halves give the 200-seed table.
+(``disturbances.HOST_MODES``). ``--seeds``: ``decision_sim.evaluate_rule`` on those table seeds (gain and equal
+worlds; ``57 123`` or inclusive ranges ``0-99``, as ``noise_streams.py`` takes them), as its table prints them; two
+processes over halves give the 200-seed table. A malformed value ends the run with one line and exit status 2.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ import statistics
 from contextlib import contextmanager
 from pathlib import Path
 
-from search_on_real_steps import parse_variant  # the study's own (this folder is on sys.path)
+from noise_streams import parse_seeds  # the studies' own (this folder is on sys.path)
+from search_on_real_steps import parse_variant
 
 from megatron_tp_overlap.engine.search import SearchOptions
 from megatron_tp_overlap.tools.research import decision_sim as sim
@@ -99,12 +101,16 @@ def real(paths: list[str]) -> list[tuple[str, dict[str, dict]]]:
 
 
 def _pairs(items: list[str], n: int) -> dict[str, tuple[float, ...]]:
+    """``SLOT=X[,X...]`` items as {slot: n numbers}; ValueError naming the item otherwise."""
     out = {}
     for it in items:
         slot, _, vals = it.partition("=")
-        out[slot] = tuple(float(v) for v in vals.split(","))
-        if len(out[slot]) != n:
-            raise SystemExit(f"{it}: expected SLOT={','.join(['X'] * n)}")
+        try:
+            out[slot] = tuple(float(v) for v in vals.split(","))
+        except ValueError:
+            out[slot] = ()
+        if not slot or len(out[slot]) != n:
+            raise ValueError(f"{it}: expected SLOT={','.join(['X'] * n)} (numbers)")
     return out
 
 
@@ -115,25 +121,29 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--slopes", nargs="*", metavar="SLOT=B", help="the rest's slopes (hostrest); every slot not named 0")
     p.add_argument("--rest-spread", nargs=2, type=float, metavar=("TRIAL", "STEP"))
     p.add_argument("--host-modes", nargs=2, type=float, metavar=("SLOW_AFTER_SLOW", "SLOW_AFTER_FAST"), help="hostmax")
-    p.add_argument(
-        "--set", default="", metavar="KEY=NUMBER[,KEY=NUMBER]", help="search options other than the defaults"
-    )
+    p.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="search options (decision_sim's --set)")
     p.add_argument("--calibrate", type=int, default=0, metavar="N", help="print the search's own figures over N seeds")
-    p.add_argument("--seeds", metavar="A-B", help="decision_sim's rule on table seeds A..B-1")
+    p.add_argument("--seeds", nargs="+", metavar="S", help="decision_sim's rule on these table seeds, e.g. 0-99")
     p.add_argument("--real", nargs="*", default=[], metavar="PATH", help="real searches' figures, per search")
     a = p.parse_args(argv)
+    try:  # bad input: one line, exit 2 (argparse's own)
+        options = SearchOptions(**parse_variant(",".join(a.set), flag="--set"))
+        noise = _pairs(a.noise, 2)
+        slopes = {s: b for s, (b,) in _pairs(a.slopes, 1).items()} if a.slopes is not None else None
+        seeds = parse_seeds(a.seeds) if a.seeds else []
+        if unknown := sorted((set(noise) | set(slopes or {})) - set(sim.SLOTS)):
+            raise ValueError(f"{', '.join(unknown)}: not a slot ({', '.join(sim.SLOTS)})")
+    except ValueError as e:
+        p.error(str(e))
     for name, per_slot in real(a.real):
         print(name, " ".join(f"{s} " + "/".join(f"{per_slot[s][f]:.1f}" for f in FIELDS) for s in FORWARDS))
-    options = SearchOptions(**parse_variant(a.set))
-    slopes = {s: b for s, (b,) in _pairs(a.slopes, 1).items()} if a.slopes is not None else None
-    with moved(a.scenario, _pairs(a.noise, 2), slopes, a.rest_spread, a.host_modes):  # type: ignore[arg-type]
+    with moved(a.scenario, noise, slopes, a.rest_spread, a.host_modes):  # type: ignore[arg-type]
         if a.calibrate:
             print(f"| {a.scenario} slot | slope | trial level % | step spread % |\n|---|---|---|---|")
             for s, v in medians(simulated(a.scenario, a.calibrate, options)).items():
                 print(f"| `{s}` | " + " | ".join(f"{x:.1f}" for x in v) + " |")
-        if a.seeds:
-            lo, hi = map(int, a.seeds.split("-"))
-            print(json.dumps(sim.evaluate_rule(list(range(lo, hi)), (a.scenario,), options)))
+        if seeds:
+            print(json.dumps(sim.evaluate_rule(seeds, (a.scenario,), options)))
 
 
 if __name__ == "__main__":

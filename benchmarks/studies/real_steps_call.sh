@@ -16,7 +16,7 @@ NAME=$1; shift
 source .device/env.sh && bash .device/setup.sh || exit 1
 export PYTHONPATH=$PWD/.device/megatron-lm:${PYTHONPATH:-}
 python3 -c "from megatron_tp_overlap.engine.search import SearchOptions; print(SearchOptions())"  # the defaults
-t0=$(date +%s)
+t0=$(date +%s); PIDS=()
 for SPEC in "$@"; do
   GPU=${SPEC%%|*}; ARGS=${SPEC#*|}
   mkdir -p "/tmp/$NAME/g$GPU"
@@ -24,8 +24,9 @@ for SPEC in "$@"; do
   CUDA_VISIBLE_DEVICES=$GPU PET_MASTER_PORT=$((29600 + 10 * GPU)) timeout -k 5 "$LIM" python3 \
     benchmarks/studies/search_on_real_steps.py --script .device/megatron-lm/pretrain_gpt.py --seq 4096 \
     --gain-pct 0.5 3.0 $ARGS --out "/tmp/$NAME/g$GPU" > "/tmp/$NAME/g$GPU.log" 2>&1 &
+  PIDS+=("$GPU:$!")
 done
-wait
+for P in "${PIDS[@]}"; do wait "${P#*:}"; echo "g${P%%:*} rc=$?"; done  # 124: the limit cut it
 echo "wall_s=$(( $(date +%s) - t0 ))"
 python3 benchmarks/studies/real_steps_bar.py /tmp/"$NAME"/g*/ 2>&1 | tee "/tmp/$NAME/bar.md"
 python3 benchmarks/studies/trial_precedent.py /tmp/"$NAME"/g*/ 2>&1 | tee "/tmp/$NAME/precedent.md"

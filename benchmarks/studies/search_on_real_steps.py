@@ -464,9 +464,9 @@ def phase_seconds(trials: list) -> dict[str, float]:
     return out
 
 
-def parse_variant(variant: str) -> dict[str, int | float]:
+def parse_variant(variant: str, flag: str = "--variants") -> dict[str, int | float]:
     """``"max_steps=400,max_seconds=120.0"`` -> SearchOptions overrides, each of its field's type (int or float); a
-    key SearchOptions lacks, or a value not of its type or its rules, raises ValueError."""
+    key SearchOptions lacks, or a value not of its type or its rules, raises ValueError (naming ``flag``)."""
     from megatron_tp_overlap.engine.search import SearchOptions
 
     kinds = {f.name: f.type for f in dataclasses.fields(SearchOptions) if f.type in ("int", "float", int, float)}
@@ -480,13 +480,13 @@ def parse_variant(variant: str) -> dict[str, int | float]:
             out[k] = kind(v)
         except ValueError:
             raise ValueError(
-                f"--variants {variant!r}: {kv!r} must be KEY=NUMBER with KEY a numeric SearchOptions field (an int "
+                f"{flag} {variant!r}: {kv!r} must be KEY=NUMBER with KEY a numeric SearchOptions field (an int "
                 "field takes an int)"
             ) from None
     try:
         SearchOptions(**out)  # its own rules
     except ValueError as e:
-        raise ValueError(f"--variants {variant!r}: {e}") from None
+        raise ValueError(f"{flag} {variant!r}: {e}") from None
     return out
 
 
