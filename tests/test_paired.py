@@ -50,8 +50,11 @@ def test_interval_covers_zero_gain_at_its_level():
     assert false / 4000 <= 0.025 + 0.006  # one-sided error of a 95% two-sided interval
 
 
-# hostmax: test_racing.py; iid and locked: their 6 seeds below (seeds 0-1 ran in both until the forty-eighth session)
-@pytest.mark.parametrize("scenario", [s for s in decision_sim.SCENARIOS if s not in ("hostmax", "iid", "locked")])
+# hostmax and hostbusy: test_racing.py (hostbusy's seed 1 takes none of a gain its run sees as 0.28% of a step); iid and
+# locked: their 6 seeds below (seeds 0-1 ran in both until the forty-eighth session)
+@pytest.mark.parametrize(
+    "scenario", [s for s in decision_sim.SCENARIOS if s not in ("hostmax", "hostbusy", "iid", "locked")]
+)
 def test_decision_rule_on_two_simulated_runs_of_every_scenario(scenario):
     """The decision rule on simulated runs with known costs (not a timing test), seeds 0-1 of every scenario (10 before
     issue 46: its search spends the rest of the budget, each run costs over twice the CPU; 4 before the 120 s budget,

@@ -17,13 +17,13 @@ from megatron_tp_overlap.ub.config import GemmOverlapConfig, UbConfig
 def test_a_second_pass_takes_the_option_two_unlucky_racing_trials_ruled_out():
     """decision_sim hostmax seed 143: the true 1.28 ms proj_fprop read 0.10 ms behind in its two racing trials (both in
     the host's slow stretches), an equal option was accepted in its place and the search ended at 76 s of 180 with
-    72.2% of the gain. The second pass measures every option afresh against that config and takes the rest; its choice
+    79.0% of the gain as a run sees it (72.2% of its GPU time, the table's measure until the fiftieth session). The second pass measures every option afresh against that config and takes the rest; its choice
     names the pass. (Uncapped: with ``floor_cap`` the first pass accepts an equal ``qkv_fprop`` too, ending at 63 s.
     At the rest scaling of before the forty-seventh session, ``BEFORE_47``.)"""
     gain, world = sim.seed_gain(143), sim.GAIN_SEED + 143
     one = sim.run_once("hostmax", gain, world, SearchOptions(passes=1, floor_cap=0.0, **BEFORE_47))
     two = sim.run_once("hostmax", gain, world, SearchOptions(floor_cap=0.0, **BEFORE_47))
-    assert (round(one.realized, 3), round(one.seconds)) == (0.722, 76)
+    assert (round(one.realized, 3), round(one.seconds)) == (0.79, 76)
     assert two.realized == 1.0 and two.seconds <= SearchOptions().max_seconds and SearchOptions().passes == 2
     assert {g: c.get("pass") for g, c in two.choices.items() if c["accepted"]} == {
         "proj_fprop": 2,

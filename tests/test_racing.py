@@ -449,3 +449,29 @@ def test_hostmax_host_stays_slow_in_stretches_as_measured():
     assert 0.71 < sum(after) / len(after) < 0.75
     issued = [HostModes.issue_ms("proj.fwd", 0.29, u) for u in us if u]
     assert 0.29 * 1.4 <= min(issued) and max(issued) <= 0.29 * 2.7
+
+
+def test_a_host_bound_forward_gains_a_run_only_what_its_gpu_bound_steps_show():
+    """decision_sim scores hostmax and hostbusy by each config's step over a long run (``true_step_ms``): a host-bound
+    slot at the later of its GPU time and the host's issue time in a slow step. The closed form is the chain's own
+    long-run mean; table seed 87 puts 1.157% of a step in ``qkv_fprop``, which a run of the busy host (slow in 81% of
+    its steps, as two real runs with pytest beside them) sees as 0.273%, and hostmax's host (37%) as 0.737%."""
+    from megatron_tp_overlap.tools.research.disturbances import BUSY_MODES, HostModes
+
+    modes, rng = HostModes(BUSY_MODES), random.Random(0)
+    assert modes.slow_share == pytest.approx(0.44 / 0.54)
+    us = [modes.step(rng) for _ in range(40000)]
+    for gpu_ms in (1.2, 1.8, 2.5, 3.5):  # below, inside and above the host's issue times (1.68-3.24 ms)
+        run_mean = statistics.mean(max(gpu_ms, HostModes.issue_ms("proj.fwd", 1.2, u)) if u else gpu_ms for u in us)
+        assert modes.mean_ms("proj.fwd", gpu_ms, 1.2) == pytest.approx(run_mean, rel=0.005)
+    assert modes.mean_ms("proj.fwd", 3.5, 1.2) == 3.5  # the GPU is the bound in every step
+    ref = sim.TuningConfig(sim.UbConfig(), frozenset(), "reference")
+    space = sim.build_space(sim.TOPO, sim.CTX, [sim.UbConfig()])
+    world = sim.make_world(space, sim.seed_gain(87), random.Random(sim.GAIN_SEED + 87))
+    assert [g for g, _ in world.fast] == ["qkv_fprop"]
+    seen = {}
+    for scenario in ("hostbusy", "hostmax", "iid"):
+        run = sim.SimulatedRun(world, scenario, random.Random(0))
+        best = sim.best_config(world, space, ref, run.true_step_ms)
+        seen[scenario] = round(100 * (1 - run.true_step_ms(best) / run.true_step_ms(ref)), 3)
+    assert seen == {"hostbusy": 0.273, "hostmax": 0.737, "iid": 1.157}

@@ -5,10 +5,10 @@ what real trial steps show (H200, Megatron-LM): per-slot GPU noise, host jitter 
 (ramp) or jumps (+25% for a third of the budget), a periodic slow step, the power limit's clock oscillation (measured:
 benchmarks/results/2026-11-23_h200x1/trial_noise/), free-running or restarting in phase after every switch
 (../verify_noise/), a host-bound forward caught by a burst of slow steps for a whole trial (burst), one whose trials
-sit 22% apart (hostfwd), three such (hostglm), forwards that wait on the host in stretches (hostmax), hostglm's moving
-3-4x the rest of the step (hostrest). Per seed a few options of a few GEMMs are truly faster (``gain`` of the step
+sit 22% apart (hostfwd), three such (hostglm), forwards that wait on the host in stretches (hostmax) or most of the time
+(hostbusy), hostglm's moving 3-4x the rest of the step (hostrest). Per seed a few options of a few GEMMs are truly faster (``gain`` of the step
 together), or none is (``equal``). The search runs on it unchanged (default options) and is scored by the true cost of
-what it chose:
+what it chose (hostmax, hostbusy: the mean over the host's states, what a run of it gains):
 
 - realized: (reference - chosen) / (reference - best), the share of the available gain it took;
 - worst: the chosen config's true cost over the reference's (> 0: it ended slower);
@@ -33,6 +33,7 @@ from megatron_tp_overlap.engine.search import Measurement, Searcher, SearchOptio
 from megatron_tp_overlap.engine.space import Option, TuningConfig, all_off, apply, build_space, is_valid
 from megatron_tp_overlap.engine.topology import Topology
 from megatron_tp_overlap.tools.research import disturbances as dist
+from megatron_tp_overlap.tools.research.clocked import Clocked
 from megatron_tp_overlap.tools.research.disturbances import BURST, HOST_SLOW, STEP_MS, HostModes, disturbance
 from megatron_tp_overlap.ub.config import UbConfig
 from megatron_tp_overlap.ub.rules import ValidationContext
@@ -48,7 +49,7 @@ GEMM_MS = 3.0  # each of the 12 GEMMs (+ its communication) under the reference:
 OFF_MS = 4.5  # a GEMM with overlap off
 DISTURBED_STEPS = 400  # the steps the disturbances are laid over (jump: its middle third), where searches run (140-200)
 SCENARIOS = ("iid", "ramp", "jump", "periodic", "position", "jitter", "power", "locked", "hostbound", "trial",
-             "trial_wide", "burst", "hostfwd", "hostglm", "hostmax", "hostrest")  # fmt: skip
+             "trial_wide", "burst", "hostfwd", "hostglm", "hostmax", "hostrest", "hostbusy")  # fmt: skip
 # "trial": each trial's slots sit apart from the last trial's, alike for its steps (host work, clocks after a gap), the
 # forwards more: what real dense steps showed (results/2026-11-26_h200x2b/: 17 of 24 equal worlds accepted a choice)
 TRIAL_SD = {s: {"fwd": 0.015, "bwd": 0.005}[s[-3:]] for s in SLOTS}
@@ -64,7 +65,8 @@ FWD_FASTEST = {"proj.fwd": 1.2}
 # apart in qkv.fwd, proj.fwd and fc2.fwd alike, 14-22% of their levels): hostfwd with qkv.fwd and fc2.fwd as noisy
 GLM = FWD | {"qkv.fwd": (0.0, 0.05, 0.08), "fc2.fwd": (0.0, 0.03, 0.08)}
 MAX = {s: (0.0, 0.01, 0.0) for s in SLOTS} | {"proj.fwd": (0.0, 0.03, 0.0)}  # hostmax's GPU noise (disturbances.py)
-NOISE = {"trial_wide": dist.WIDE, "hostfwd": FWD, "hostglm": GLM, "hostmax": MAX, "hostrest": GLM}  # per scenario
+NOISE = {"trial_wide": dist.WIDE, "hostfwd": FWD, "hostglm": GLM, "hostmax": MAX, "hostrest": GLM, "hostbusy": MAX}
+HOSTS = {"hostmax": HostModes, "hostbusy": lambda: HostModes(dist.BUSY_MODES)}  # hosts that are slow at times
 
 
 @dataclass
@@ -119,9 +121,9 @@ class SimulatedRun:
         self.slope = dist.REST_SLOPE if scenario == "hostrest" else {}
         self.trial_sd = {s: v[2] for s, v in self.wide.items()} or (TRIAL_SD if scenario == "trial" else None)
         self.extra = {s: v[0] for s, v in self.wide.items()}  # ms per slot on top of its GEMMs', out of the step's rest
-        if scenario in ("hostfwd", "hostglm", "hostmax", "hostrest"):
+        if scenario in ("hostfwd", "hostglm", "hostmax", "hostrest", "hostbusy"):
             self.extra |= {s: ms - sum(world.fastest_ms(g) for g in SLOTS[s]) for s, ms in FWD_FASTEST.items()}
-        self.burst, self.modes = scenario == "burst", HostModes() if scenario == "hostmax" else None
+        self.burst, self.modes = scenario == "burst", HOSTS[scenario]() if scenario in HOSTS else None
         self.floor = {s: sum(world.fastest_ms(g) for g in SLOTS[s]) + self.extra.get(s, 0.0) for s in HOST_SLOW}
 
     def __call__(self, config: TuningConfig, steps: int, warmup: int) -> Measurement:
@@ -156,39 +158,23 @@ class SimulatedRun:
                     v = max(v, HostModes.issue_ms(s, self.floor[s], u))
                 slots[s].append(v)
                 total += v
-            rest = (STEP_MS - 12 * GEMM_MS - sum(self.extra.values())) * (1.12 if u else 1.0) * max(0.5, 1 + r)
+            rest = (STEP_MS - 12 * GEMM_MS - sum(self.extra.values())) * (dist.SLOW_REST if u else 1) * max(0.5, 1 + r)
             step_ms.append(total + factor * rest + host + self.rng.gauss(0, 0.002 * STEP_MS))
             self.i += 1
             self.since += 1
         return Measurement(slots, step_ms, 0.1 * self.i, steps + warmup)
 
-
-class Clocked:
-    """The simulated steps on a clock of real trials: ``step_s`` per step, ``switch_s`` per switch inside the trial's
-    wall time, ``outside_s`` of the search's own work between trials, ``first_s`` of one-off costs in the first
-    trial. The defaults are H200 trials (FP8, one micro-batch per trial step); ``--clock 0.14 0.3 0.05`` is the
-    Qwen3-MoE-like model on one H100 (benchmarks/results/2026-11-25_h100x1/)."""
-
-    def __init__(
-        self,
-        run: SimulatedRun,
-        step_s: float = 0.075,
-        switch_s: float = 0.5,
-        outside_s: float = 0.2,
-        first_s: float = 0.0,
-    ):
-        self.run, self.step_s, self.switch_s, self.outside_s = run, step_s, switch_s, outside_s
-        self.t, self.live, self.first_s = 0.0, None, first_s
-
-    def __call__(self, config, steps, warmup):
-        m = self.run(config, steps, warmup)
-        self.t += self.outside_s
-        wall = (steps + warmup) * self.step_s + self.switch_s * (config != self.live) + self.first_s
-        self.first_s = 0.0  # one-off costs of the first trial
-        self.t, self.live = self.t + wall, config
-        k = 1000 * self.step_s / STEP_MS  # GPU ms per step as the clock has them, slots and steps alike (the rest)
-        slots = {s: [v * k for v in vs] for s, vs in m.slot_ms.items()}
-        return Measurement(slots, [v * k for v in m.step_ms], self.t, m.steps_run, wall_s=wall)
+    def true_step_ms(self, config: TuningConfig) -> float:
+        """``config``'s step as a run of it takes on average (ms): the world's, with host-bound forwards at their mean
+        over the host's states and the rest slower in its slow steps (hostmax, hostbusy)."""
+        ms = self.world.step_ms(config)
+        if not self.modes:
+            return ms
+        for s in HOST_SLOW:
+            v = sum(self.world.gemm_ms(g, config) for g in SLOTS[s]) + self.extra.get(s, 0.0)
+            ms += self.modes.mean_ms(s, v, self.floor[s]) - v
+        rest = STEP_MS - 12 * GEMM_MS - sum(self.extra.values())
+        return ms + self.modes.slow_share * (dist.SLOW_REST - 1) * rest
 
 
 @dataclass
@@ -206,7 +192,7 @@ class Outcome:
     choices: dict = dataclasses.field(default_factory=dict)  # SearchResult.choices, each with its "true_ms" gain
 
 
-def best_config(world: World, space: dict[str, list[Option]], ref: TuningConfig) -> TuningConfig:
+def best_config(world: World, space: dict[str, list[Option]], ref: TuningConfig, step_ms=None) -> TuningConfig:
     """The cheapest valid config made of the truly faster options: every subset, since two of them can exclude each
     other (a ring-exchange dgrad drops its module's bulk wgrad)."""
     fast = [next(o for o in space[g] if o.cfg and (g, o.cfg.describe()) in world.fast) for g, _ in world.fast]
@@ -218,7 +204,7 @@ def best_config(world: World, space: dict[str, list[Option]], ref: TuningConfig)
                 c = apply(c, o, TOPO)
             if is_valid(c, CTX):
                 configs.append(c)
-    return min(configs, key=world.step_ms)
+    return min(configs, key=step_ms or world.step_ms)
 
 
 def preset_of(world: World, space: dict[str, list[Option]], ref: TuningConfig) -> TuningConfig | None:
@@ -259,17 +245,17 @@ def run_once(
     space = build_space(TOPO, CTX, [UbConfig()])
     world = make_world(space, gain, rng, fewest=2 if preset else 1)
     ref = TuningConfig(UbConfig(), frozenset(), "reference")
-    run = SimulatedRun(world, scenario, rng if noise is None else random.Random(noise))
-    run = Clocked(run, *clock) if clock else run
+    sim_run = SimulatedRun(world, scenario, rng if noise is None else random.Random(noise))
+    run = Clocked(sim_run, *clock) if clock else sim_run
     baselines = {"no overlap": all_off(TOPO, ref)}
     if preset and (p := preset_of(world, space, ref)) is not None:
         baselines["preset"] = p
     res = Searcher(TOPO, space, run, CTX, options or SearchOptions()).run(ref, baselines)
-    ref_ms, chosen_ms = world.step_ms(ref), world.step_ms(res.best)
-    best_ms = world.step_ms(best_config(world, space, ref))
+    true_ms = sim_run.true_step_ms
+    ref_ms, chosen_ms, best_ms = true_ms(ref), true_ms(res.best), true_ms(best_config(world, space, ref, true_ms))
     realized = (ref_ms - chosen_ms) / (ref_ms - best_ms) if ref_ms > best_ms else math.nan
     u = res.undecided if res.best_name == "reference" else None
-    handed = (ref_ms - world.step_ms(u)) / (ref_ms - best_ms) if u is not None and ref_ms > best_ms else math.nan
+    handed = (ref_ms - true_ms(u)) / (ref_ms - best_ms) if u is not None and ref_ms > best_ms else math.nan
     return Outcome(
         realized,
         chosen_ms / ref_ms - 1,
@@ -279,7 +265,7 @@ def run_once(
         res.elapsed_s,
         handed,
         u is not None,
-        100 * (1 - world.step_ms(u) / ref_ms) if u is not None else 0.0,
+        100 * (1 - true_ms(u) / ref_ms) if u is not None else 0.0,
         {g: c | {"true_ms": GEMM_MS - world.fast.get((g, c["option"]), GEMM_MS)} for g, c in res.choices.items()},
     )
 
