@@ -11,12 +11,20 @@
 # model_provider.py in .device/megatron-lm/ (git show core_v0.19.0:FILE from a Megatron-LM clone). Slim copy for the
 # repository: drop the logs' lines that start with two spaces (Megatron's arguments) and their
 # "[search_on_real_steps] {" lines (the JSON repeats them), then tar | xz -9e.
+# BESIDE="command": other work on the same host while the searches run, started over and over until they end (its
+# output in /tmp/NAME/beside.log), e.g. BESIDE="python3 -m pytest -q -p no:cacheprovider tests" for a host as busy as
+# 2026-11-28_h200x4e's n2 (decision_sim hostbusy).
 set -uo pipefail
 NAME=$1; shift
 source .device/env.sh && bash .device/setup.sh || exit 1
 export PYTHONPATH=$PWD/.device/megatron-lm:${PYTHONPATH:-}
 python3 -c "from megatron_tp_overlap.engine.search import SearchOptions; print(SearchOptions())"  # the defaults
 t0=$(date +%s); PIDS=()
+if [ -n "${BESIDE:-}" ]; then
+  mkdir -p "/tmp/$NAME"
+  setsid bash -c "while true; do $BESIDE; done" > "/tmp/$NAME/beside.log" 2>&1 &
+  BPID=$!
+fi
 for SPEC in "$@"; do
   GPU=${SPEC%%|*}; ARGS=${SPEC#*|}
   mkdir -p "/tmp/$NAME/g$GPU"
@@ -28,6 +36,7 @@ for SPEC in "$@"; do
 done
 for P in "${PIDS[@]}"; do wait "${P#*:}"; echo "g${P%%:*} rc=$?"; done  # 124: the limit cut it
 echo "wall_s=$(( $(date +%s) - t0 ))"
+if [ -n "${BESIDE:-}" ]; then kill -- -"$BPID" 2>/dev/null; echo "beside: $(grep -c . "/tmp/$NAME/beside.log") lines of output"; fi
 python3 benchmarks/studies/real_steps_bar.py /tmp/"$NAME"/g*/ 2>&1 | tee "/tmp/$NAME/bar.md"
 python3 benchmarks/studies/trial_precedent.py /tmp/"$NAME"/g*/ 2>&1 | tee "/tmp/$NAME/precedent.md"
 cp -r "/tmp/$NAME" "$OUT/"
