@@ -28,6 +28,10 @@ def test_a_whatif_moves_only_the_named_slots_and_the_rest_and_puts_everything_ba
             1.2 - sim.GEMM_MS * len(sim.SLOTS["proj.fwd"])
         )  # its real size stays (FWD_FASTEST)
     assert (sim.NOISE["hostrest"], dist.REST_SLOPE, dist.REST_SPREAD, dist.HOST_MODES) == before
+    with nw.moved("hostbusy", {}, None, None, (0.8, 0.5)):  # the busy host's modes, not hostmax's
+        assert sim.SimulatedRun(sim.World({}), "hostbusy", random.Random(0)).modes.modes == (0.8, 0.5)
+        assert dist.HOST_MODES == before[3]
+    assert dist.BUSY_MODES == (0.90, 0.44)
 
 
 def test_real_searches_figures_are_read_per_search_and_a_bad_slot_spec_names_itself(tmp_path):
@@ -49,6 +53,11 @@ def test_real_searches_figures_are_read_per_search_and_a_bad_slot_spec_names_its
         (["--slopes", "prj.fwd=6"], "prj.fwd: not a slot"),
         (["--seeds", "0-x"], "invalid literal for int()"),
         (["--set", "rest_beta_max=0"], "--set 'rest_beta_max=0': rest_beta_max = 0.0: must be > 0"),
+        (["--scenario", "hostglm", "--host-modes", "0.9", "0.44"], "--host-modes: hostglm has no host modes"),
+        (
+            ["--scenario", "hostbusy", "--slopes", "qkv.fwd=4"],
+            "--slopes, --rest-spread: hostbusy's slots do not follow",
+        ),
     ],
 )
 def test_a_bad_value_ends_the_study_with_one_line_and_exit_2_before_any_search(args, line, capsys):

@@ -5,16 +5,17 @@
         --slopes qkv.fwd=4.1 proj.fwd=6.3 fc2.fwd=1.8 fc1.fwd=0.6 --rest-spread 0.07 0.022 --calibrate 4
     python benchmarks/studies/noise_whatif.py ... --seeds 0-99                     # the table's rule on those worlds
 
-The figures compared are the search's own, on both sides: per forward slot, ``per_slot``'s ``rest_scaled_by`` (the
-slope it scaled by), ``trial_level_pct`` (the trials' level left after scaling) and ``step_spread_pct``, which
+The figures compared are the search's own, on both sides: per forward slot, ``per_slot``'s ``rest_scaled_by`` (the slope
+it scaled by), ``trial_level_pct`` (the trials' level left after scaling) and ``step_spread_pct``, which
 ``search_on_real_steps.py`` keeps per search (``--real``) and ``Searcher.coverage_report`` gives in the simulator
-(``--calibrate N``: seeds 0..N-1, a gain world and an equal one each). ``--noise SLOT=STEP,TRIAL``: the slot's
-relative spread per step and per trial in the scenario (decision_sim ``NOISE``); ``--slopes SLOT=B``: how many times
-the rest's relative change each slot follows, and ``--rest-spread TRIAL STEP``: how far the rest moves (``hostrest``
-only: ``disturbances.REST_SLOPE``, ``REST_SPREAD``); ``--host-modes``: how often ``hostmax``'s host is slow
-(``disturbances.HOST_MODES``). ``--seeds``: ``decision_sim.evaluate_rule`` on those table seeds (gain and equal
-worlds; ``57 123`` or inclusive ranges ``0-99``, as ``noise_streams.py`` takes them), as its table prints them; two
-processes over halves give the 200-seed table. A malformed value ends the run with one line and exit status 2.
+(``--calibrate N``: seeds 0..N-1, a gain world and an equal one each). ``--noise SLOT=STEP,TRIAL``: the slot's relative
+spread per step and per trial in the scenario (decision_sim ``NOISE``); ``--slopes SLOT=B``: how many times the rest's
+relative change each slot follows, and ``--rest-spread TRIAL STEP``: how far the rest moves (``hostrest`` only:
+``disturbances.REST_SLOPE``, ``REST_SPREAD``); ``--host-modes``: how often the host of ``hostmax`` or ``hostbusy`` is
+slow (``disturbances.HOST_MODES``, ``BUSY_MODES``); each refused for a scenario without it. ``--seeds``:
+``decision_sim.evaluate_rule`` on those table seeds (gain and equal worlds; ``57 123`` or inclusive ranges ``0-99``, as
+``noise_streams.py`` takes them), as its table prints them; two processes over halves give the 200-seed table. A
+malformed value ends the run with one line and exit status 2.
 """
 
 from __future__ import annotations
@@ -41,16 +42,17 @@ def moved(
     scenario: str, noise: dict[str, tuple[float, float]], slopes: dict[str, float] | None, spread=None, modes=None
 ):
     """decision_sim with ``scenario``'s slots at ``noise`` (slot: (step, trial) relative spreads), the rest's slopes
-    and spread and ``hostmax``'s host modes (P(slow | slow), P(slow | fast)) replaced where given; everything put
+    and spread and the host modes of ``scenario`` (P(slow | slow), P(slow | fast)) replaced where given; everything put
     back on exit."""
-    old = sim.NOISE.get(scenario), dict(dist.REST_SLOPE), dist.REST_SPREAD, dist.HOST_MODES
+    old = sim.NOISE.get(scenario), dict(dist.REST_SLOPE), dist.REST_SPREAD, dist.HOST_MODES, dist.BUSY_MODES
     base = sim.NOISE.get(scenario) or {s: (0.0, dist.SLOT_NOISE, 0.0) for s in sim.SLOTS}
     sim.NOISE[scenario] = base | {s: (base.get(s, (0.0,))[0], step, trial) for s, (step, trial) in noise.items()}
     if slopes is not None:
         dist.REST_SLOPE.clear()
         dist.REST_SLOPE.update(slopes)
     dist.REST_SPREAD = tuple(spread) if spread else dist.REST_SPREAD
-    dist.HOST_MODES = tuple(modes) if modes else dist.HOST_MODES
+    if modes:  # decision_sim.HOSTS reads them when a run starts
+        setattr(dist, "BUSY_MODES" if scenario == "hostbusy" else "HOST_MODES", tuple(modes))
     try:
         yield
     finally:
@@ -60,7 +62,7 @@ def moved(
             sim.NOISE[scenario] = old[0]
         dist.REST_SLOPE.clear()
         dist.REST_SLOPE.update(old[1])
-        dist.REST_SPREAD, dist.HOST_MODES = old[2], old[3]
+        dist.REST_SPREAD, dist.HOST_MODES, dist.BUSY_MODES = old[2], old[3], old[4]
 
 
 def medians(reports: list[dict[str, dict]]) -> dict[str, tuple[float, ...]]:
@@ -120,7 +122,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--noise", nargs="*", default=[], metavar="SLOT=STEP,TRIAL")
     p.add_argument("--slopes", nargs="*", metavar="SLOT=B", help="the rest's slopes (hostrest); every slot not named 0")
     p.add_argument("--rest-spread", nargs=2, type=float, metavar=("TRIAL", "STEP"))
-    p.add_argument("--host-modes", nargs=2, type=float, metavar=("SLOW_AFTER_SLOW", "SLOW_AFTER_FAST"), help="hostmax")
+    p.add_argument(
+        "--host-modes", nargs=2, type=float, metavar=("SLOW_AFTER_SLOW", "SLOW_AFTER_FAST"), help="hostmax, hostbusy"
+    )
     p.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="search options (decision_sim's --set)")
     p.add_argument("--calibrate", type=int, default=0, metavar="N", help="print the search's own figures over N seeds")
     p.add_argument("--seeds", nargs="+", metavar="S", help="decision_sim's rule on these table seeds, e.g. 0-99")
@@ -133,6 +137,10 @@ def main(argv: list[str] | None = None) -> None:
         seeds = parse_seeds(a.seeds) if a.seeds else []
         if unknown := sorted((set(noise) | set(slopes or {})) - set(sim.SLOTS)):
             raise ValueError(f"{', '.join(unknown)}: not a slot ({', '.join(sim.SLOTS)})")
+        if a.host_modes and a.scenario not in sim.HOSTS:
+            raise ValueError(f"--host-modes: {a.scenario} has no host modes ({', '.join(sim.HOSTS)} have)")
+        if (a.slopes is not None or a.rest_spread) and a.scenario != "hostrest":
+            raise ValueError(f"--slopes, --rest-spread: {a.scenario}'s slots do not follow the rest (hostrest's do)")
     except ValueError as e:
         p.error(str(e))
     for name, per_slot in real(a.real):

@@ -22,7 +22,7 @@ python3 -c "from megatron_tp_overlap.engine.search import SearchOptions; print(S
 t0=$(date +%s); PIDS=()
 if [ -n "${BESIDE:-}" ]; then
   mkdir -p "/tmp/$NAME"
-  setsid bash -c "while true; do $BESIDE; done" > "/tmp/$NAME/beside.log" 2>&1 &
+  setsid bash -c "while true; do $BESIDE || sleep 1; done" > "/tmp/$NAME/beside.log" 2>&1 &  # a failing one: not a busy loop
   BPID=$!
 fi
 for SPEC in "$@"; do

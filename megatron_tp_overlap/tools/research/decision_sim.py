@@ -6,9 +6,10 @@ what real trial steps show (H200, Megatron-LM): per-slot GPU noise, host jitter 
 benchmarks/results/2026-11-23_h200x1/trial_noise/), free-running or restarting in phase after every switch
 (../verify_noise/), a host-bound forward caught by a burst of slow steps for a whole trial (burst), one whose trials
 sit 22% apart (hostfwd), three such (hostglm), forwards that wait on the host in stretches (hostmax) or most of the time
-(hostbusy), hostglm's moving 3-4x the rest of the step (hostrest). Per seed a few options of a few GEMMs are truly faster (``gain`` of the step
-together), or none is (``equal``). The search runs on it unchanged (default options) and is scored by the true cost of
-what it chose (hostmax, hostbusy: the mean over the host's states, what a run of it gains):
+(hostbusy), hostglm's moving 3-4x the rest of the step (hostrest). Per seed a few options of a few GEMMs are truly
+faster (``gain`` of the step together), or none is (``equal``). The search runs on it unchanged (default options) and
+is scored by the true cost of what it chose (hostmax, hostbusy: the mean over the host's states, what a run of it
+gains):
 
 - realized: (reference - chosen) / (reference - best), the share of the available gain it took;
 - worst: the chosen config's true cost over the reference's (> 0: it ended slower);
@@ -26,6 +27,7 @@ import itertools
 import math
 import random
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from megatron_tp_overlap.engine.exhaustive import BENCHMARK_EXHAUSTIVE
@@ -192,9 +194,15 @@ class Outcome:
     choices: dict = dataclasses.field(default_factory=dict)  # SearchResult.choices, each with its "true_ms" gain
 
 
-def best_config(world: World, space: dict[str, list[Option]], ref: TuningConfig, step_ms=None) -> TuningConfig:
+def best_config(
+    world: World,
+    space: dict[str, list[Option]],
+    ref: TuningConfig,
+    step_ms: Callable[[TuningConfig], float] | None = None,
+) -> TuningConfig:
     """The cheapest valid config made of the truly faster options: every subset, since two of them can exclude each
-    other (a ring-exchange dgrad drops its module's bulk wgrad)."""
+    other (a ring-exchange dgrad drops its module's bulk wgrad). ``step_ms``: each config's true step (default the
+    world's; :meth:`SimulatedRun.true_step_ms` where a host moves it)."""
     fast = [next(o for o in space[g] if o.cfg and (g, o.cfg.describe()) in world.fast) for g, _ in world.fast]
     configs = []
     for n in range(len(fast) + 1):
