@@ -74,12 +74,12 @@ def test_decision_rule_on_two_simulated_runs_of_every_scenario(scenario):
 def test_the_table_names_the_seeds_below_80pct_and_the_false_winners(capsys):
     """The 200-seed table's worst figures come with their seeds, to rerun with ``--only-seeds`` (they were found with
     scripts outside the repository before): `hostfwd` 176 takes 75.9% without the ride-along, the default (a 0.153 ms
-    `proj_fprop` part left within the noise; decision_sim README, thirty-first section), seed 3 all of its gain, and
-    neither equal world names a winner."""
-    decision_sim.main(["--only-seeds", "3", "176", "--scenarios", "hostfwd"])
+    `proj_fprop` part left within the noise; decision_sim README, thirty-first section), and its equal world names no
+    winner (seed 3, which took all of its gain, ran beside it until the fifty-first session: pytest's 90 s bound)."""
+    decision_sim.main(["--only-seeds", "176", "--scenarios", "hostfwd"])
     out = capsys.readouterr().out.splitlines()
     assert out[-1] == "hostfwd: seeds below 80%: 176 (75.9%); false winners: none", out
-    assert out[1].split()[1:3] == ["87.9%", "75.9%"], out  # the mean of 100% and 75.9%, and the worst
+    assert out[1].split()[1:3] == ["75.9%", "75.9%"], out  # the mean and the worst
 
 
 def test_the_table_gives_a_hosts_seeds_below_80pct_the_gain_a_run_of_them_sees(capsys, monkeypatch):
@@ -111,11 +111,12 @@ def test_the_tuner_lands_within_1pct_of_the_slot_exhaustive_search_within_its_bu
     disturbances: 2% i.i.d. noise and the oscillation measured in real Megatron iterations. Issue 19 also asked for
     half of the exhaustive search's steps (169 of 336); issue 46 spends the rest of the budget where gain can
     still be found, so the bar on steps is the budget."""
-    # 6 gain and 6 equal seeds (10 before the 120 s budget, 20 before issue 46: pytest's 90 s bound)
-    r = decision_sim.evaluate_rule(6, (scenario,), vs_exhaustive=True)[scenario]
+    # 4 gain and 4 equal seeds (6 before the fifty-first session, 10 before the 120 s budget, 20 before issue 46:
+    # pytest's 90 s bound)
+    r = decision_sim.evaluate_rule(4, (scenario,), vs_exhaustive=True)[scenario]
     assert r["vs_exhaustive_beyond_1pct"] == 0, r
     assert r["seconds_max"] <= r["budget_s"], r
-    # and the rule of the test above, on these 6 seeds
+    # and the rule of the test above, on these 4 seeds
     assert r["realized_min"] == 1.0 and r["worst_excess_pct"] == 0.0 and r["false_winner_rate"] == 0.0, r
 
 
