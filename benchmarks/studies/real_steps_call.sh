@@ -12,8 +12,9 @@
 # repository: drop the logs' lines that start with two spaces (Megatron's arguments) and their
 # "[search_on_real_steps] {" lines (the JSON repeats them), then tar | xz -9e.
 # BESIDE="command": other work on the same host while the searches run, started over and over until they end (its
-# output in /tmp/NAME/beside.log), e.g. BESIDE="python3 -m pytest -q -p no:cacheprovider tests" for a host as busy as
-# 2026-11-28_h200x4e's n2 (decision_sim hostbusy).
+# output in /tmp/NAME/beside.log), e.g. BESIDE="CUDA_VISIBLE_DEVICES= python3 -m pytest -q -p no:cacheprovider tests"
+# (results/2026-11-29_h200x2c/ sr46: on one GPU the whole step then waited on the host; decision_sim hostbusy models
+# 2026-11-28_h200x4e's n2, whose forwards did).
 set -uo pipefail
 NAME=$1; shift
 source .device/env.sh && bash .device/setup.sh || exit 1
@@ -34,10 +35,15 @@ for SPEC in "$@"; do
     --gain-pct 0.5 3.0 $ARGS --out "/tmp/$NAME/g$GPU" > "/tmp/$NAME/g$GPU.log" 2>&1 &
   PIDS+=("$GPU:$!")
 done
-for P in "${PIDS[@]}"; do wait "${P#*:}"; echo "g${P%%:*} rc=$?"; done  # 124: the limit cut it
-echo "wall_s=$(( $(date +%s) - t0 ))"
-if [ -n "${BESIDE:-}" ]; then kill -- -"$BPID" 2>/dev/null; echo "beside: $(grep -c . "/tmp/$NAME/beside.log") lines of output"; fi
+for P in "${PIDS[@]}"; do wait "${P#*:}"; echo "g${P%%:*} rc=$?"; done > "/tmp/$NAME/status.txt"  # 124: the limit cut it
+echo "wall_s=$(( $(date +%s) - t0 ))" >> "/tmp/$NAME/status.txt"
+if [ -n "${BESIDE:-}" ]; then
+  kill -- -"$BPID" 2>/dev/null
+  echo "beside: $(grep -c . "/tmp/$NAME/beside.log") lines of output" >> "/tmp/$NAME/status.txt"
+fi
+cat "/tmp/$NAME/status.txt"
 python3 benchmarks/studies/real_steps_bar.py /tmp/"$NAME"/g*/ 2>&1 | tee "/tmp/$NAME/bar.md"
 python3 benchmarks/studies/trial_precedent.py /tmp/"$NAME"/g*/ 2>&1 | tee "/tmp/$NAME/precedent.md"
 cp -r "/tmp/$NAME" "$OUT/"
 for LOG in /tmp/"$NAME"/g*.log; do echo "== $LOG"; grep -v "^  \|\[search_on_real_steps\] {" "$LOG" | tail -25; done
+cat "/tmp/$NAME/status.txt"  # again, last: the returned tail is the output's last 12,000 characters (sr46 lost these)
