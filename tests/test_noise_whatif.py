@@ -15,23 +15,26 @@ nw = load_benchmark("noise_whatif")
 
 
 def test_a_whatif_moves_only_the_named_slots_and_the_rest_and_puts_everything_back():
-    before = dict(sim.NOISE["hostrest"]), dict(dist.REST_SLOPE), dist.REST_SPREAD, dist.HOST_MODES
-    with nw.moved(
-        "hostrest", {"proj.fwd": (0.085, 0.07)}, {"proj.fwd": 6.3, "qkv.fwd": 4.1}, (0.07, 0.022), (0.9, 0.44)
-    ):
+    before = dict(sim.NOISE["hostrest"]), dict(dist.REST_SLOPE), dist.REST_SPREAD, dict(sim.HOSTS)
+    with nw.moved("hostrest", {"proj.fwd": (0.085, 0.07)}, {"proj.fwd": 6.3, "qkv.fwd": 4.1}, (0.07, 0.022)):
         run = sim.SimulatedRun(sim.World({}), "hostrest", random.Random(0))
         assert run.wide["proj.fwd"] == (0.0, 0.085, 0.07) and run.trial_sd["proj.fwd"] == 0.07
         assert run.wide["qkv.fwd"] == before[0]["qkv.fwd"]  # not named: as the scenario has it
         assert run.slope == {"proj.fwd": 6.3, "qkv.fwd": 4.1} and dist.REST_SPREAD == (0.07, 0.022)
-        assert dist.HOST_MODES == (0.9, 0.44)  # hostmax's host, slow in 81% of the steps
+        assert run.modes is None  # hostrest has no host
         assert run.extra["proj.fwd"] == pytest.approx(
             1.2 - sim.GEMM_MS * len(sim.SLOTS["proj.fwd"])
         )  # its real size stays (FWD_FASTEST)
-    assert (sim.NOISE["hostrest"], dist.REST_SLOPE, dist.REST_SPREAD, dist.HOST_MODES) == before
-    with nw.moved("hostbusy", {}, None, None, (0.8, 0.5)):  # the busy host's modes, not hostmax's
-        assert sim.SimulatedRun(sim.World({}), "hostbusy", random.Random(0)).modes.modes == (0.8, 0.5)
-        assert dist.HOST_MODES == before[3]
-    assert dist.BUSY_MODES == (0.90, 0.44)
+    assert (sim.NOISE["hostrest"], dist.REST_SLOPE, dist.REST_SPREAD, sim.HOSTS) == before
+    for scenario in ("hostmax", "hostbusy"):  # each its own host, the other's as it was
+        with nw.moved(scenario, {}, None, None, nw.host_with(scenario, (0.8, 0.5))):
+            runs = {sc: sim.SimulatedRun(sim.World({}), sc, random.Random(0)) for sc in ("hostmax", "hostbusy")}
+            assert runs[scenario].modes.modes == (0.8, 0.5)
+            other = "hostbusy" if scenario == "hostmax" else "hostmax"
+            assert runs[other].modes.modes == {"hostmax": dist.HOST_MODES, "hostbusy": dist.BUSY_MODES}[other]
+        assert sim.HOSTS == before[3]
+    with pytest.raises(ValueError, match="--host-modes: hostrest has no host modes"):
+        nw.host_with("hostrest", (0.9, 0.44))
 
 
 def test_real_searches_figures_are_read_per_search_and_a_bad_slot_spec_names_itself(tmp_path):

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -39,20 +40,19 @@ FIELDS = ("rest_scaled_by", "trial_level_pct", "step_spread_pct")
 
 @contextmanager
 def moved(
-    scenario: str, noise: dict[str, tuple[float, float]], slopes: dict[str, float] | None, spread=None, modes=None
+    scenario: str, noise: dict[str, tuple[float, float]], slopes: dict[str, float] | None, spread=None, host=None
 ):
     """decision_sim with ``scenario``'s slots at ``noise`` (slot: (step, trial) relative spreads), the rest's slopes
-    and spread and the host modes of ``scenario`` (P(slow | slow), P(slow | fast)) replaced where given; everything put
-    back on exit."""
-    old = sim.NOISE.get(scenario), dict(dist.REST_SLOPE), dist.REST_SPREAD, dist.HOST_MODES, dist.BUSY_MODES
+    and spread and its host (:func:`host_with`) replaced where given; everything put back on exit."""
+    old = sim.NOISE.get(scenario), dict(dist.REST_SLOPE), dist.REST_SPREAD, dict(sim.HOSTS)
     base = sim.NOISE.get(scenario) or {s: (0.0, dist.SLOT_NOISE, 0.0) for s in sim.SLOTS}
     sim.NOISE[scenario] = base | {s: (base.get(s, (0.0,))[0], step, trial) for s, (step, trial) in noise.items()}
     if slopes is not None:
         dist.REST_SLOPE.clear()
         dist.REST_SLOPE.update(slopes)
     dist.REST_SPREAD = tuple(spread) if spread else dist.REST_SPREAD
-    if modes:  # decision_sim.HOSTS reads them when a run starts
-        setattr(dist, "BUSY_MODES" if scenario == "hostbusy" else "HOST_MODES", tuple(modes))
+    if host:  # the scenario's host, as each run starts it (decision_sim.HOSTS)
+        sim.HOSTS[scenario] = host
     try:
         yield
     finally:
@@ -62,7 +62,17 @@ def moved(
             sim.NOISE[scenario] = old[0]
         dist.REST_SLOPE.clear()
         dist.REST_SLOPE.update(old[1])
-        dist.REST_SPREAD, dist.HOST_MODES, dist.BUSY_MODES = old[2], old[3], old[4]
+        dist.REST_SPREAD = old[2]
+        sim.HOSTS.clear()
+        sim.HOSTS.update(old[3])
+
+
+def host_with(scenario: str, modes: tuple[float, float]) -> Callable[[], dist.HostModes]:
+    """``scenario``'s host at ``modes`` (P(slow | slow step before), P(slow | fast step before)), for
+    :func:`moved`; ValueError for a scenario without one."""
+    if scenario not in sim.HOSTS:
+        raise ValueError(f"--host-modes: {scenario} has no host modes ({', '.join(sim.HOSTS)} have)")
+    return lambda: dist.HostModes(tuple(modes))
 
 
 def medians(reports: list[dict[str, dict]]) -> dict[str, tuple[float, ...]]:
@@ -135,17 +145,16 @@ def main(argv: list[str] | None = None) -> None:
         noise = _pairs(a.noise, 2)
         slopes = {s: b for s, (b,) in _pairs(a.slopes, 1).items()} if a.slopes is not None else None
         seeds = parse_seeds(a.seeds) if a.seeds else []
+        host = host_with(a.scenario, a.host_modes) if a.host_modes else None
         if unknown := sorted((set(noise) | set(slopes or {})) - set(sim.SLOTS)):
             raise ValueError(f"{', '.join(unknown)}: not a slot ({', '.join(sim.SLOTS)})")
-        if a.host_modes and a.scenario not in sim.HOSTS:
-            raise ValueError(f"--host-modes: {a.scenario} has no host modes ({', '.join(sim.HOSTS)} have)")
         if (a.slopes is not None or a.rest_spread) and a.scenario != "hostrest":
             raise ValueError(f"--slopes, --rest-spread: {a.scenario}'s slots do not follow the rest (hostrest's do)")
     except ValueError as e:
         p.error(str(e))
     for name, per_slot in real(a.real):
         print(name, " ".join(f"{s} " + "/".join(f"{per_slot[s][f]:.1f}" for f in FIELDS) for s in FORWARDS))
-    with moved(a.scenario, noise, slopes, a.rest_spread, a.host_modes):  # type: ignore[arg-type]
+    with moved(a.scenario, noise, slopes, a.rest_spread, host):  # type: ignore[arg-type]
         if a.calibrate:
             print(f"| {a.scenario} slot | slope | trial level % | step spread % |\n|---|---|---|---|")
             for s, v in medians(simulated(a.scenario, a.calibrate, options)).items():
