@@ -15,9 +15,15 @@
 # output in /tmp/NAME/beside.log), e.g. BESIDE="CUDA_VISIBLE_DEVICES= python3 -m pytest -q -p no:cacheprovider tests"
 # (results/2026-11-29_h200x2c/ sr46: on one GPU the whole step then waited on the host; decision_sim hostbusy models
 # 2026-11-28_h200x4e's n2, whose forwards did).
+# DEADLINE (default 575): seconds from this script's start by which the searches end, whatever LIM says, so that the
+# scoring and the copy to $OUT fit in the device call's 600 s (sr47: a cold set-up plus LIM=545 passed 600, and the
+# call came back empty).
 set -uo pipefail
 NAME=$1; shift
+T_CALL=$(date +%s)
 source .device/env.sh && bash .device/setup.sh || exit 1
+LIM=$(( LIM < ${DEADLINE:-575} - ($(date +%s) - T_CALL) ? LIM : ${DEADLINE:-575} - ($(date +%s) - T_CALL) ))
+echo "set-up $(( $(date +%s) - T_CALL )) s; searches limited to $LIM s"
 export PYTHONPATH=$PWD/.device/megatron-lm:${PYTHONPATH:-}
 python3 -c "from megatron_tp_overlap.engine.search import SearchOptions; print(SearchOptions())"  # the defaults
 t0=$(date +%s); PIDS=()
