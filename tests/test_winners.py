@@ -1,6 +1,7 @@
 """tools.winners: which choices of the space won where, read from tuning reports."""
 
 import json
+import lzma
 
 from megatron_tp_overlap.tools.research import winners
 
@@ -53,6 +54,10 @@ def test_tables_count_what_was_measured_accepted_chosen_and_kept(tmp_path, capsy
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(json.dumps(r))
     (tmp_path / "b" / "broken_report.json").write_text("{")
+    xz = tmp_path / "b" / "z_report.json.xz"  # results folders keep the larger reports compressed
+    xz.write_bytes(lzma.compress((tmp_path / "b" / "z_report.json").read_bytes()))
+    (tmp_path / "b" / "z_report.json").unlink()
+    (tmp_path / "b" / "broken_report.json.xz").write_bytes(b"not xz")
     found = winners.collect([tmp_path])
     assert len(found) == 3
     rows = {r.split(" | ")[0][2:]: r.split(" | ")[1:] for r in winners.choice_table(found)[2:]}

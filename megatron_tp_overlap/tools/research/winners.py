@@ -2,7 +2,8 @@
 
     python -m megatron_tp_overlap.tools.research.winners benchmarks/results [more folders or *.report.json ...]
 
-For every tuning report (``*report*.json``, any version of this tool's report) it reads what the space offered
+For every tuning report (``*report*.json``, or ``*report*.json.xz`` as results folders keep the larger ones; any version
+of this tool's report) it reads what the space offered
 (``meta.space`` labels, the final decision's contenders), what the per-GEMM search accepted, what the run chose and
 whether the in-run verification kept it. It prints two tables: per choice (in how many runs it was offered, accepted
 for a GEMM, in the chosen config, kept by the run's own iterations) and per run. Pure: no GPU, no TE.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import lzma
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -109,12 +111,12 @@ def read_report(path: Path, report: dict[str, Any]) -> RunChoices | None:
 def collect(paths: list[Path]) -> list[RunChoices]:
     files: list[Path] = []
     for p in paths:
-        files += sorted(p.rglob("*report*.json")) if p.is_dir() else [p]
+        files += sorted([*p.rglob("*report*.json"), *p.rglob("*report*.json.xz")]) if p.is_dir() else [p]
     runs = []
     for f in files:
         try:
-            report = json.loads(f.read_text())
-        except (OSError, ValueError):
+            report = json.loads(lzma.decompress(f.read_bytes()) if f.suffix == ".xz" else f.read_text())
+        except (OSError, ValueError, lzma.LZMAError):
             continue
         r = read_report(f, report) if isinstance(report, dict) else None
         if r is not None:
