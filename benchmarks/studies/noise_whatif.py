@@ -12,7 +12,8 @@ it scaled by), ``trial_level_pct`` (the trials' level left after scaling) and ``
 spread per step and per trial in the scenario (decision_sim ``NOISE``); ``--slopes SLOT=B``: how many times the rest's
 relative change each slot follows, and ``--rest-spread TRIAL STEP``: how far the rest moves (``hostrest`` only:
 ``disturbances.REST_SLOPE``, ``REST_SPREAD``); ``--host-modes``: how often the host of ``hostmax`` or ``hostbusy`` is
-slow (``disturbances.HOST_MODES``, ``BUSY_MODES``); each refused for a scenario without it. ``--seeds``:
+slow (``disturbances.HOST_MODES``, ``BUSY_MODES``); ``--slow-rest A B SD``: the rest in their slow steps as
+measured, ``A + B x`` proj.fwd's issue ratio (``disturbances.SLOW_REST``); each refused for a scenario without it. ``--seeds``:
 ``decision_sim.evaluate_rule`` on those table seeds (gain and equal worlds; ``57 123`` or inclusive ranges ``0-99``, as
 ``noise_streams.py`` takes them), as its table prints them; two processes over halves give the 200-seed table. A
 malformed value ends the run with one line and exit status 2.
@@ -40,11 +41,17 @@ FIELDS = ("rest_scaled_by", "trial_level_pct", "step_spread_pct")
 
 @contextmanager
 def moved(
-    scenario: str, noise: dict[str, tuple[float, float]], slopes: dict[str, float] | None, spread=None, host=None
+    scenario: str,
+    noise: dict[str, tuple[float, float]],
+    slopes: dict[str, float] | None,
+    spread=None,
+    host=None,
+    slow_rest: tuple[float, float, float] | None = None,
 ):
     """decision_sim with ``scenario``'s slots at ``noise`` (slot: (step, trial) relative spreads), the rest's slopes
-    and spread and its host (:func:`host_with`) replaced where given; everything put back on exit."""
-    old = sim.NOISE.get(scenario), dict(dist.REST_SLOPE), dist.REST_SPREAD, dict(sim.HOSTS)
+    and spread, its host (:func:`host_with`) and the rest in a slow step (``disturbances.SLOW_REST``) replaced where
+    given; everything put back on exit."""
+    old = sim.NOISE.get(scenario), dict(dist.REST_SLOPE), dist.REST_SPREAD, dict(sim.HOSTS), dist.SLOW_REST
     base = sim.NOISE.get(scenario) or {s: (0.0, dist.SLOT_NOISE, 0.0) for s in sim.SLOTS}
     sim.NOISE[scenario] = base | {s: (base.get(s, (0.0,))[0], step, trial) for s, (step, trial) in noise.items()}
     if slopes is not None:
@@ -53,6 +60,7 @@ def moved(
     dist.REST_SPREAD = tuple(spread) if spread else dist.REST_SPREAD
     if host:  # the scenario's host, as each run starts it (decision_sim.HOSTS)
         sim.HOSTS[scenario] = host
+    dist.SLOW_REST = tuple(slow_rest) if slow_rest else dist.SLOW_REST  # type: ignore[assignment]
     try:
         yield
     finally:
@@ -65,6 +73,7 @@ def moved(
         dist.REST_SPREAD = old[2]
         sim.HOSTS.clear()
         sim.HOSTS.update(old[3])
+        dist.SLOW_REST = old[4]
 
 
 def host_with(scenario: str, modes: tuple[float, float]) -> Callable[[], dist.HostModes]:
@@ -135,6 +144,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--host-modes", nargs=2, type=float, metavar=("SLOW_AFTER_SLOW", "SLOW_AFTER_FAST"), help="hostmax, hostbusy"
     )
+    p.add_argument(
+        "--slow-rest",
+        nargs=3,
+        type=float,
+        metavar=("A", "B", "SD"),
+        help="the rest in a slow step: A + B x proj.fwd's issue ratio + N(0, SD) (hostmax, hostbusy)",
+    )
     p.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="search options (decision_sim's --set)")
     p.add_argument("--calibrate", type=int, default=0, metavar="N", help="print the search's own figures over N seeds")
     p.add_argument("--seeds", nargs="+", metavar="S", help="decision_sim's rule on these table seeds, e.g. 0-99")
@@ -146,6 +162,8 @@ def main(argv: list[str] | None = None) -> None:
         slopes = {s: b for s, (b,) in _pairs(a.slopes, 1).items()} if a.slopes is not None else None
         seeds = parse_seeds(a.seeds) if a.seeds else []
         host = host_with(a.scenario, a.host_modes) if a.host_modes else None
+        if a.slow_rest and a.scenario not in sim.HOSTS:
+            raise ValueError(f"--slow-rest: {a.scenario} has no host modes ({', '.join(sim.HOSTS)} have)")
         if unknown := sorted((set(noise) | set(slopes or {})) - set(sim.SLOTS)):
             raise ValueError(f"{', '.join(unknown)}: not a slot ({', '.join(sim.SLOTS)})")
         if (a.slopes is not None or a.rest_spread) and a.scenario != "hostrest":
@@ -154,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
         p.error(str(e))
     for name, per_slot in real(a.real):
         print(name, " ".join(f"{s} " + "/".join(f"{per_slot[s][f]:.1f}" for f in FIELDS) for s in FORWARDS))
-    with moved(a.scenario, noise, slopes, a.rest_spread, host):  # type: ignore[arg-type]
+    with moved(a.scenario, noise, slopes, a.rest_spread, host, a.slow_rest):  # type: ignore[arg-type]
         if a.calibrate:
             print(f"| {a.scenario} slot | slope | trial level % | step spread % |\n|---|---|---|---|")
             for s, v in medians(simulated(a.scenario, a.calibrate, options)).items():

@@ -161,7 +161,7 @@ class SimulatedRun:
                     v = max(v, HostModes.issue_ms(s, self.floor[s], u))
                 slots[s].append(v)
                 total += v
-            rest = (STEP_MS - 12 * GEMM_MS - sum(self.extra.values())) * (dist.SLOW_REST if u else 1) * max(0.5, 1 + r)
+            rest = (STEP_MS - 12 * GEMM_MS - sum(self.extra.values())) * dist.slow_rest(u, self.rng) * max(0.5, 1 + r)
             step_ms.append(total + factor * rest + host + self.rng.gauss(0, 0.002 * STEP_MS))
             self.i += 1
             self.since += 1
@@ -177,7 +177,7 @@ class SimulatedRun:
             v = sum(self.world.gemm_ms(g, config) for g in SLOTS[s]) + self.extra.get(s, 0.0)
             ms += self.modes.mean_ms(s, v, self.floor[s]) - v
         rest = STEP_MS - 12 * GEMM_MS - sum(self.extra.values())
-        return ms + self.modes.slow_share * (dist.SLOW_REST - 1) * rest
+        return ms + self.modes.slow_share * (dist.mean_slow_rest() - 1) * rest
 
 
 @dataclass

@@ -42,7 +42,30 @@ HOST_MODES = (0.73, 0.16)  # P(slow | slow step before), P(slow | fast step befo
 # fast one 0.44-0.51; here 0.90 and 0.44 (slow in 81%)
 BUSY_MODES = (0.90, 0.44)
 HOST_SLOW = {"proj.fwd": (1.4, 2.7), "qkv.fwd": (1.3, 2.3)}  # the host's issue time over the slot's fastest GPU time
-SLOW_REST = 1.12  # the rest of the step in a slow step, over a fast one's
+# The rest of the step in a slow step, over a fast one's: one number for every slow step, or (intercept, slope, sd) on
+# proj.fwd's issue ratio in that step (HOST_SLOW). In the real slow steps the rest follows how late the host is:
+# 0.955-0.982 + 0.065-0.073 x proj.fwd's ratio to its fast median, residual sd 0.020-0.024 (n1 C_pin0, n2 D_free0/1;
+# corr 0.74-0.93). The scenarios keep the constant, as the table and its tests were built on it; `noise_whatif.py
+# --slow-rest 0.98 0.07 0.02` runs the fit (decision_sim README, fifty-second section)
+SLOW_REST: float | tuple[float, float, float] = 1.12
+
+
+def slow_rest(u: float, rng: random.Random) -> float:
+    """The rest's factor in a step at place ``u`` of the slow range (0: a fast step, 1.0; ``SLOW_REST``: no draw for a
+    constant)."""
+    if not u or isinstance(SLOW_REST, float):
+        return SLOW_REST if u else 1.0
+    a, b, sd = SLOW_REST
+    lo, hi = HOST_SLOW["proj.fwd"]
+    return a + b * (lo + u * (hi - lo)) + rng.gauss(0, sd)
+
+
+def mean_slow_rest() -> float:
+    """The rest's factor averaged over the slow steps (``u`` uniform)."""
+    if isinstance(SLOW_REST, float):
+        return SLOW_REST
+    a, b, _ = SLOW_REST
+    return a + b * sum(HOST_SLOW["proj.fwd"]) / 2
 
 
 class HostModes:
