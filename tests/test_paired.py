@@ -208,6 +208,17 @@ def test_the_sparse_looks_past_the_dense_ones():
     assert [q for q in range(1, 65) if paired.looks_after(q)] == [*range(1, 25), 32, 40, 48, 56, 64]
 
 
+def test_at_the_budgets_last_look_an_estimate_under_a_gain_worth_a_switch_is_handed_on_not_named():
+    """The last look by the 24th quadruple is at 95%, every other at 99%. The table's equal worlds named there (hostrest
+    7, hostfwd 131, hostbusy 76 and 162) read 0.14-0.23 ms of a 100-111 ms step, under or at a gain worth a switch
+    (0.2%); its true gains decided there read 0.43-1.3 ms. Such a config now goes to the in-run verification instead of
+    being named, and a true gain decided at that look is still taken (hostrest 21: 1.15-1.26 ms)."""
+    equal = decision_sim.run_once("hostrest", 0.0, decision_sim.EQUAL_SEED + 7)
+    assert not equal.false_winner and equal.handed and equal.excess == 0.0
+    gain = decision_sim.run_once("hostrest", decision_sim.seed_gain(21), decision_sim.GAIN_SEED + 21)
+    assert gain.realized == 1.0 and not gain.handed
+
+
 def test_deciding_on_the_changed_slots_alone_narrows_the_interval_and_names_no_equal_config():
     """``changed_slots=1``: the ABBA sums only the slots whose GEMMs the two configs run differently. On hostbound
     steps (MoE: the GPU waits for the host inside every layer) the other slots add noise and no gain: over the 60

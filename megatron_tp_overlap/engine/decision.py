@@ -115,13 +115,17 @@ class FinalDecision:
             adjusted = decision["rest_adjusted_interval"]
             ref_ms = decision["reference_step_ms"]
             worth = o.rel_floor * ref_ms  # a gain worth a switch
+            # at a last look below the interim level the estimate itself must be worth a switch: decision_sim's
+            # equal worlds named there read 0.14-0.23 ms of a 100-111 ms step, its true gains 0.43-1.3 ms
+            # (benchmarks/results/2026-11-25_cpu/decision_sim/, fifty-second section)
+            short = slot.level < paired.INTERIM_LEVEL and min(slot.estimate, adjusted.estimate) < worth
             if slot.faster and not adjusted.faster:
                 reason = (
                     f"{best.name} is faster in the overlapped layers ({slot.describe(ref=ref_ms)}), but not once the "
                     f"rest of the step is taken out ({adjusted.describe(ref=ref_ms)}): its blocks met faster steps, "
                     f"keeping the {ref.name}"
                 )
-            elif slot.faster and not step.slower and slot.high >= worth:
+            elif slot.faster and not step.slower and slot.high >= worth and not short:
                 winner = best
                 reason = (
                     f"{best.name} beats the {ref.name} by {slot.describe(ref=ref_ms)} per step in the overlapped "
@@ -134,6 +138,13 @@ class FinalDecision:
                     f"{best.name} is faster in the overlapped layers ({slot.describe(ref=ref_ms)}) but by less than a "
                     f"gain worth a switch ({100 * o.rel_floor:g}% of a step): keeping the {ref.name}"
                 )
+            elif slot.faster and short and not step.slower:
+                reason = (
+                    f"{best.name} is faster in the overlapped layers at the budget's last look "
+                    f"({slot.describe(ref=ref_ms)}), but by less than a gain worth a switch as estimated "
+                    f"({100 * o.rel_floor:g}% of a step): keeping the {ref.name}"
+                )
+                undecided = TuningConfig(best.config.ub, best.config.disabled, best.name)  # real iterations can settle
             elif slot.faster:
                 reason = (
                     f"{best.name} is faster in the overlapped layers ({slot.describe(ref=ref_ms)}) but its whole step "
