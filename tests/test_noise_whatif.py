@@ -8,8 +8,10 @@ import sys
 import pytest
 from benchmark_module import BENCHMARKS, load_benchmark
 
+from megatron_tp_overlap.engine.space import TuningConfig
 from megatron_tp_overlap.tools.research import decision_sim as sim
 from megatron_tp_overlap.tools.research import disturbances as dist
+from megatron_tp_overlap.ub.config import UbConfig
 
 sys.path.insert(0, str(BENCHMARKS / "studies"))  # the study imports search_on_real_steps from its folder
 nw = load_benchmark("noise_whatif")
@@ -43,7 +45,7 @@ def slow_step_corr(scenario: str) -> float:
     trials of 4 steps, as measured on the real runs (n2: 0.88-0.93)."""
     run, rows = sim.SimulatedRun(sim.World({}), scenario, random.Random(1)), []
     for _ in range(60):
-        m = run(sim.TuningConfig(sim.UbConfig(), frozenset(), "reference"), 4, 1)
+        m = run(TuningConfig(UbConfig(), frozenset(), "reference"), 4, 1)
         rows += [(m.step_ms[i] - sum(v[i] for v in m.slot_ms.values()), m.slot_ms["proj.fwd"][i]) for i in range(4)]
     p10 = sorted(p for _, p in rows)[len(rows) // 10]
     slow = [(r, p) for r, p in rows if p > 1.3 * p10]

@@ -13,10 +13,10 @@ spread per step and per trial in the scenario (decision_sim ``NOISE``); ``--slop
 relative change each slot follows, and ``--rest-spread TRIAL STEP``: how far the rest moves (``hostrest`` only:
 ``disturbances.REST_SLOPE``, ``REST_SPREAD``); ``--host-modes``: how often the host of ``hostmax`` or ``hostbusy`` is
 slow (``disturbances.HOST_MODES``, ``BUSY_MODES``); ``--slow-rest A B SD``: the rest in their slow steps as
-measured, ``A + B x`` proj.fwd's issue ratio (``disturbances.SLOW_REST``); each refused for a scenario without it. ``--seeds``:
-``decision_sim.evaluate_rule`` on those table seeds (gain and equal worlds; ``57 123`` or inclusive ranges ``0-99``, as
-``noise_streams.py`` takes them), as its table prints them; two processes over halves give the 200-seed table. A
-malformed value ends the run with one line and exit status 2.
+measured, ``A + B x`` proj.fwd's issue ratio (``disturbances.SLOW_REST``); each refused for a scenario without it.
+``--seeds``: ``decision_sim.evaluate_rule`` on those table seeds (gain and equal worlds; ``57 123`` or inclusive
+ranges ``0-99``, as ``noise_streams.py`` takes them), as its table prints them; two processes over halves give the
+200-seed table. A malformed value ends the run with one line and exit status 2.
 """
 
 from __future__ import annotations
@@ -76,11 +76,16 @@ def moved(
         dist.SLOW_REST = old[4]
 
 
+def require_host(scenario: str, flag: str) -> None:
+    """ValueError naming ``flag`` for a scenario without host modes (only hostmax and hostbusy have a host to move)."""
+    if scenario not in sim.HOSTS:
+        raise ValueError(f"{flag}: {scenario} has no host modes ({', '.join(sim.HOSTS)} have)")
+
+
 def host_with(scenario: str, modes: tuple[float, float]) -> Callable[[], dist.HostModes]:
     """``scenario``'s host at ``modes`` (P(slow | slow step before), P(slow | fast step before)), for
     :func:`moved`; ValueError for a scenario without one."""
-    if scenario not in sim.HOSTS:
-        raise ValueError(f"--host-modes: {scenario} has no host modes ({', '.join(sim.HOSTS)} have)")
+    require_host(scenario, "--host-modes")
     return lambda: dist.HostModes(tuple(modes))
 
 
@@ -162,8 +167,8 @@ def main(argv: list[str] | None = None) -> None:
         slopes = {s: b for s, (b,) in _pairs(a.slopes, 1).items()} if a.slopes is not None else None
         seeds = parse_seeds(a.seeds) if a.seeds else []
         host = host_with(a.scenario, a.host_modes) if a.host_modes else None
-        if a.slow_rest and a.scenario not in sim.HOSTS:
-            raise ValueError(f"--slow-rest: {a.scenario} has no host modes ({', '.join(sim.HOSTS)} have)")
+        if a.slow_rest:
+            require_host(a.scenario, "--slow-rest")
         if unknown := sorted((set(noise) | set(slopes or {})) - set(sim.SLOTS)):
             raise ValueError(f"{', '.join(unknown)}: not a slot ({', '.join(sim.SLOTS)})")
         if (a.slopes is not None or a.rest_spread) and a.scenario != "hostrest":

@@ -22,7 +22,8 @@ set -uo pipefail
 NAME=$1; shift
 T_CALL=$(date +%s)
 source .device/env.sh && bash .device/setup.sh || exit 1
-LIM=$(( LIM < ${DEADLINE:-575} - ($(date +%s) - T_CALL) ? LIM : ${DEADLINE:-575} - ($(date +%s) - T_CALL) ))
+LEFT=$(( ${DEADLINE:-575} - ($(date +%s) - T_CALL) ))
+LIM=$(( LIM < LEFT ? LIM : LEFT ))
 echo "set-up $(( $(date +%s) - T_CALL )) s; searches limited to $LIM s"
 export PYTHONPATH=$PWD/.device/megatron-lm:${PYTHONPATH:-}
 python3 -c "from megatron_tp_overlap.engine.search import SearchOptions; print(SearchOptions())"  # the defaults
