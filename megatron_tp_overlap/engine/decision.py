@@ -12,13 +12,7 @@ from collections.abc import Callable
 from megatron_tp_overlap.engine import paired, rest_scaling
 from megatron_tp_overlap.engine.floors import capped
 from megatron_tp_overlap.engine.space import TuningConfig, is_valid
-from megatron_tp_overlap.engine.trial import (
-    Contender,
-    SearchResult,
-    Trial,
-    TrialFailed,
-    Work,
-)
+from megatron_tp_overlap.engine.trial import Contender, SearchResult, Trial, TrialFailed, Work
 
 
 def noise_hint(half_width_ms: float, quads: int, ref_ms: float, seconds: float, gain: float = 0.01) -> str:
@@ -367,7 +361,10 @@ class FinalDecision:
                     continue
                 if slot_iv.faster and not adj_iv.faster and not last:
                     continue  # faster, but not once the rest of the step is taken out: more quadruples settle it
-                if slot_iv.faster or slot_iv.slower or slot_iv.high < o.rel_floor * ref_ms:
+                worth = o.rel_floor * ref_ms
+                if slot_iv.faster and min(slot_iv.estimate, adj_iv.estimate) < worth <= slot_iv.high and not last:
+                    continue  # faster, but by less than a gain worth a switch as estimated: more quadruples settle it
+                if slot_iv.faster or slot_iv.slower or slot_iv.high < worth:
                     break
         ref_blocks = [v for v, w in zip(step_blocks, order) if w == paired.A]
         ref_ms = statistics.median(ref_blocks) if ref_blocks else math.nan
