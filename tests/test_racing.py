@@ -343,17 +343,19 @@ def test_a_leader_that_cannot_tell_yet_races_on_past_race_samples_and_takes_the_
     assert round(sim.run_once("trial_wide", gain, seed, at_31(wide_leader_samples=24)).realized, 3) == 0.69
 
 
-@pytest.mark.parametrize("seed, named", [(35, True), (126, True), (178, False)])
-def test_looks_after_the_third_accept_only_beyond_a_higher_threshold(seed, named):
+@pytest.mark.parametrize("seed, named, handed", [(35, True, False), (126, False, False), (178, False, True)])
+def test_looks_after_the_third_accept_only_beyond_a_higher_threshold(seed, named, handed):
     """Equal decision_sim trial_wide worlds: looks 4-20 test a leader again and again (178: fc1_dgrad crossed 2.5
     standard errors on its 11th look); at z = 2.5 from the fourth look on these named a false winner, at 2.5 + ``late_z``
     they keep the reference (at 120 s and 20 looks, where this was recorded; at 180 s and 40, 178 keeps the reference
     even at z = 2.5, and the 200-seed table names the same false winners as at 120 s). Since the fifty-second session
     178's choice at z = 2.5 reaches the final decision's last look by the 24th quadruple with an estimate under a gain
-    worth a switch, and is handed on to the in-run verification instead of named."""
+    worth a switch, and is handed on to the in-run verification instead of named. Since the fifty-third, 126's choice,
+    read faster by +0.104 ms at its 9th quadruple, runs on, and at the budget's last look it is no longer faster once
+    the rest of the step is taken out: the reference is kept."""
     assert not sim.run_once("trial_wide", 0.0, sim.EQUAL_SEED + seed, at_120()).false_winner
     out = sim.run_once("trial_wide", 0.0, sim.EQUAL_SEED + seed, at_120(late_z=0.0))
-    assert (out.false_winner, out.handed) == (named, not named)
+    assert (out.false_winner, out.handed) == (named, handed)
 
 
 @pytest.mark.parametrize("seed, ruled_out", [(57, 0.444), (121, 0.602), (176, 0.759)])

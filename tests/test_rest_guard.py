@@ -76,37 +76,43 @@ def _decide(seed: int, gain: float, guard: int, linked: bool = False) -> str:
 
 def test_blocks_that_meet_faster_steps_are_not_named_and_a_real_gain_is_still_taken():
     """Where the candidate's blocks meet the fast machine more often, the slot times alone name an equal candidate
-    faster in 19 of 20 worlds; with the rest taken out, in none (4 of 40 over seeds 0-39). Where the stretches come
-    whatever the config, a candidate 0.1 ms faster (9% of its slot) is taken in all 20 worlds, with the guard or
-    without (39 of 40 both ways over seeds 0-39)."""
+    faster in 18 of 20 worlds; with the rest taken out, in none (1 of 40 over seeds 0-39). Where the stretches come
+    whatever the config, a candidate 0.1 ms faster (9% of its slot) is taken in 19 of 20 worlds, with the guard or
+    without (37 of 40 both ways over seeds 0-39). That gain is about a gain worth a switch here (0.098 ms), and since
+    the fifty-third session a look that reads it under that runs on. Before, the slot times alone named 19 of 20
+    equal candidates and the guard 4 of 40, and the gain was taken in 20 of 20 and 39 of 40."""
     named = {g: sum(_decide(seed, 0.0, g, linked=True) == "faster" for seed in range(20)) for g in (0, 1)}
-    assert named == {0: 19, 1: 0}, named
+    assert named == {0: 18, 1: 0}, named
     taken = {g: sum(_decide(seed, 0.1, g) == "faster" for seed in range(20)) for g in (0, 1)}
-    assert taken == {0: 20, 1: 20}, taken
+    assert taken == {0: 19, 1: 19}, taken
 
 
 @pytest.mark.parametrize(
-    "scenario, seed, options",
+    "scenario, seed, options, unguarded",
     [
-        ("hostbound", 185, BEFORE_47),
-        ("trial_wide", 126, {**AT_120, "late_z": 0.0}),
-        ("hostmax", 44, {"trial_own_diffs": 0, "floor_cap": 0.0, **BEFORE_47}),
-        ("hostmax", 72, {"trial_own_diffs": 0, "floor_cap": 0.0, **BEFORE_47}),
+        ("hostbound", 185, BEFORE_47, False),
+        ("trial_wide", 126, {**AT_120, "late_z": 0.0}, False),
+        ("hostmax", 44, {"trial_own_diffs": 0, "floor_cap": 0.0, **BEFORE_47}, True),
+        ("hostmax", 72, {"trial_own_diffs": 0, "floor_cap": 0.0, **BEFORE_47}, True),
     ],
 )
-def test_the_simulators_equal_worlds_that_named_a_winner_keep_the_reference_with_the_guard(scenario, seed, options):
+def test_the_simulators_equal_worlds_that_named_a_winner_keep_the_reference_with_the_guard(
+    scenario, seed, options, unguarded
+):
     """decision_sim equal worlds whose searches named a false winner: ``hostbound`` 185 at the forty-third session's
     defaults (the 200-seed table's 0.5% there; 0.0% with the guard, the other fourteen scenarios' figures as without
     it: decision_sim README, forty-third section), and three recorded with a mechanism of an earlier session left out
     (tests/test_racing.py), all at the rest scaling of before the forty-seventh (``BEFORE_47``). Each time the
-    candidate's blocks met faster steps in the rest of the step too."""
+    candidate's blocks met faster steps in the rest of the step too. 185 and 126 had been named at a look that read
+    them faster by less than a gain worth a switch (their 14th and 9th quadruples): since the fifty-third session such
+    a look runs on, and without the guard too their searches keep the reference (``unguarded``: named without it)."""
     named = {
         guard: decision_sim.run_once(
             scenario, 0.0, decision_sim.EQUAL_SEED + seed, SearchOptions(**{**options, "rest_guard": guard})
         ).false_winner
         for guard in (0, 1)
     }
-    assert named == {0: True, 1: False}
+    assert named == {0: unguarded, 1: False}
 
 
 def test_on_real_decisions_the_rest_tells_the_false_winners_and_keeps_every_gain():

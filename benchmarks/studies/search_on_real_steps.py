@@ -394,6 +394,7 @@ def one_search(
         "phase_seconds": phase_seconds(res.trials),
         "choices_accepted": sorted(g for g, c in res.choices.items() if c.get("accepted")),
         "decision_quadruples": d.get("quadruples"),
+        "decision_ran_on_under_worth": d.get("ran_on_under_worth"),  # the looks that ran on (decision.py)
         "decision_level": d.get("level"),  # of the look that ended the ABBA
         "later_passes": {k: v.get("chosen") for k, v in d.items() if k.endswith("_pass")},  # what each took (passes.py)
         "decision_half_width_pct": d.get("noise_pct_of_step"),

@@ -109,9 +109,9 @@ class FinalDecision:
             adjusted = decision["rest_adjusted_interval"]
             ref_ms = decision["reference_step_ms"]
             worth = o.rel_floor * ref_ms  # a gain worth a switch
-            # at a last look below the interim level the estimate itself must be worth a switch: decision_sim's
-            # equal worlds named there read 0.14-0.23 ms of a 100-111 ms step, its true gains 0.43-1.3 ms
-            # (benchmarks/results/2026-11-25_cpu/decision_sim/, fifty-second section)
+            # at a last look below the interim level the estimate itself must be worth a switch (an earlier look runs
+            # on, abba): decision_sim's equal worlds named there read 0.14-0.23 ms of a 100-111 ms step, its true gains
+            # 0.43-1.3 ms (benchmarks/results/2026-11-25_cpu/decision_sim/, fifty-second and fifty-third sections)
             short = slot.level < paired.INTERIM_LEVEL and min(slot.estimate, adjusted.estimate) < worth
             if slot.faster and not adjusted.faster:
                 reason = (
@@ -305,7 +305,8 @@ class FinalDecision:
         blocks in one trial, A's continuing block alone followed a gap: on real H200 steps the reference then measured
         0.06-0.55% of a step faster than an equal candidate in 7 of 7 decisions,
         benchmarks/results/2026-11-23_h200x1/search_on_real_steps/). With ``rest_guard`` a look that finds the slots
-        faster needs them faster once the rest of the step is taken out too (:func:`paired.rest_adjusted`), or runs on."""
+        faster needs them faster once the rest of the step is taken out too (:func:`paired.rest_adjusted`), or runs on; so
+        does one that finds them faster by less than a gain worth a switch as estimated (but its last)."""
         o, bs = self.opt, self.block_steps
         decided_on = self._changed_slots(ref.config, cand.config) if o.changed_slots else None
         # the racing's rest scaling, fitted before the decision and fixed through it, for both configs alike
@@ -316,6 +317,7 @@ class FinalDecision:
         rest_blocks: list[float] = []  # the rest of each block's steps (step minus every slot), for ``rest_guard``
         blocks: list[Trial] = []
         quads, error, seconds, split = 0, None, 0.0, 0
+        ran_on: list[int] = []  # the looks that found the slots faster by less than a gain worth a switch
         slot_iv = step_iv = adj_iv = paired.gain_interval([], o.level)
         rest_of_quad = Work(3 * bs + o.warmup_steps, 1, 2)  # after its first block
         while quads < o.max_quads and error is None and self._can_afford(bs, rest_of_quad):
@@ -363,7 +365,8 @@ class FinalDecision:
                     continue  # faster, but not once the rest of the step is taken out: more quadruples settle it
                 worth = o.rel_floor * ref_ms
                 if slot_iv.faster and min(slot_iv.estimate, adj_iv.estimate) < worth <= slot_iv.high and not last:
-                    continue  # faster, but by less than a gain worth a switch as estimated: more quadruples settle it
+                    ran_on.append(quads)  # faster, but by less than a gain worth a switch as estimated: run on
+                    continue
                 if slot_iv.faster or slot_iv.slower or slot_iv.high < worth:
                     break
         ref_blocks = [v for v, w in zip(step_blocks, order) if w == paired.A]
@@ -381,6 +384,7 @@ class FinalDecision:
             "step_interval": step_iv,
             "rest_adjusted_interval": adj_iv,
             "split_at": split,  # the quadruple where the layers were faster and the step slower (0: never)
+            "ran_on_under_worth": ran_on,
             "reference_step_ms": ref_ms,
             "noise_pct_of_step": round(100 * slot_iv.half_width / ref_ms, 3)
             if ref_blocks and math.isfinite(slot_iv.half_width)
