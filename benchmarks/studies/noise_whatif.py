@@ -12,8 +12,9 @@ it scaled by), ``trial_level_pct`` (the trials' level left after scaling) and ``
 spread per step and per trial in the scenario (decision_sim ``NOISE``); ``--slopes SLOT=B``: how many times the rest's
 relative change each slot follows, and ``--rest-spread TRIAL STEP``: how far the rest moves (``hostrest`` only:
 ``disturbances.REST_SLOPE``, ``REST_SPREAD``); ``--host-modes``: how often the host of ``hostmax`` or ``hostbusy`` is
-slow (``disturbances.HOST_MODES``, ``BUSY_MODES``); ``--slow-rest A B SD``: the rest in their slow steps as
-measured, ``A + B x`` proj.fwd's issue ratio (``disturbances.SLOW_REST``); each refused for a scenario without it.
+slow (``disturbances.HOST_MODES``, ``BUSY_MODES``); ``--slow-rest A B SD``: the rest in their slow steps, ``A + B x``
+proj.fwd's issue ratio + N(0, SD) (``disturbances.BUSY_REST``, hostbusy's; hostmax's a constant, ``SLOW_REST``, which
+``--slow-rest 1.12 0 0`` gives in distribution); each refused for a scenario without a host.
 ``--seeds``: ``decision_sim.evaluate_rule`` on those table seeds (gain and equal worlds; ``57 123`` or inclusive
 ranges ``0-99``, as ``noise_streams.py`` takes them), as its table prints them; two processes over halves give the
 200-seed table. A malformed value ends the run with one line and exit status 2.
@@ -46,12 +47,10 @@ def moved(
     slopes: dict[str, float] | None,
     spread=None,
     host=None,
-    slow_rest: tuple[float, float, float] | None = None,
 ):
     """decision_sim with ``scenario``'s slots at ``noise`` (slot: (step, trial) relative spreads), the rest's slopes
-    and spread, its host (:func:`host_with`) and the rest in a slow step (``disturbances.SLOW_REST``) replaced where
-    given; everything put back on exit."""
-    old = sim.NOISE.get(scenario), dict(dist.REST_SLOPE), dist.REST_SPREAD, dict(sim.HOSTS), dist.SLOW_REST
+    and spread, and its host (:func:`host_with`) replaced where given; everything put back on exit."""
+    old = sim.NOISE.get(scenario), dict(dist.REST_SLOPE), dist.REST_SPREAD, dict(sim.HOSTS)
     base = sim.NOISE.get(scenario) or {s: (0.0, dist.SLOT_NOISE, 0.0) for s in sim.SLOTS}
     sim.NOISE[scenario] = base | {s: (base.get(s, (0.0,))[0], step, trial) for s, (step, trial) in noise.items()}
     if slopes is not None:
@@ -60,7 +59,6 @@ def moved(
     dist.REST_SPREAD = tuple(spread) if spread else dist.REST_SPREAD
     if host:  # the scenario's host, as each run starts it (decision_sim.HOSTS)
         sim.HOSTS[scenario] = host
-    dist.SLOW_REST = tuple(slow_rest) if slow_rest else dist.SLOW_REST  # type: ignore[assignment]
     try:
         yield
     finally:
@@ -73,7 +71,6 @@ def moved(
         dist.REST_SPREAD = old[2]
         sim.HOSTS.clear()
         sim.HOSTS.update(old[3])
-        dist.SLOW_REST = old[4]
 
 
 def require_host(scenario: str, flag: str) -> None:
@@ -82,11 +79,15 @@ def require_host(scenario: str, flag: str) -> None:
         raise ValueError(f"{flag}: {scenario} has no host modes ({', '.join(sim.HOSTS)} have)")
 
 
-def host_with(scenario: str, modes: tuple[float, float]) -> Callable[[], dist.HostModes]:
-    """``scenario``'s host at ``modes`` (P(slow | slow step before), P(slow | fast step before)), for
-    :func:`moved`; ValueError for a scenario without one."""
-    require_host(scenario, "--host-modes")
-    return lambda: dist.HostModes(tuple(modes))
+def host_with(
+    scenario: str, modes: tuple[float, float] | None = None, rest: tuple[float, float, float] | None = None
+) -> Callable[[], dist.HostModes]:
+    """``scenario``'s host at ``modes`` (P(slow | slow step before), P(slow | fast step before)) and with ``rest`` in
+    its slow steps (:func:`disturbances.slow_rest`), each as the scenario has it where not given, for :func:`moved`;
+    ValueError naming the flag for a scenario without a host."""
+    require_host(scenario, "--host-modes" if modes else "--slow-rest")
+    now = sim.HOSTS[scenario]()
+    return lambda: dist.HostModes(tuple(modes) if modes else now.modes, tuple(rest) if rest else now.rest)
 
 
 def medians(reports: list[dict[str, dict]]) -> dict[str, tuple[float, ...]]:
@@ -166,9 +167,7 @@ def main(argv: list[str] | None = None) -> None:
         noise = _pairs(a.noise, 2)
         slopes = {s: b for s, (b,) in _pairs(a.slopes, 1).items()} if a.slopes is not None else None
         seeds = parse_seeds(a.seeds) if a.seeds else []
-        host = host_with(a.scenario, a.host_modes) if a.host_modes else None
-        if a.slow_rest:
-            require_host(a.scenario, "--slow-rest")
+        host = host_with(a.scenario, a.host_modes, a.slow_rest) if a.host_modes or a.slow_rest else None
         if unknown := sorted((set(noise) | set(slopes or {})) - set(sim.SLOTS)):
             raise ValueError(f"{', '.join(unknown)}: not a slot ({', '.join(sim.SLOTS)})")
         if (a.slopes is not None or a.rest_spread) and a.scenario != "hostrest":
@@ -177,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
         p.error(str(e))
     for name, per_slot in real(a.real):
         print(name, " ".join(f"{s} " + "/".join(f"{per_slot[s][f]:.1f}" for f in FIELDS) for s in FORWARDS))
-    with moved(a.scenario, noise, slopes, a.rest_spread, host, a.slow_rest):  # type: ignore[arg-type]
+    with moved(a.scenario, noise, slopes, a.rest_spread, host):
         if a.calibrate:
             print(f"| {a.scenario} slot | slope | trial level % | step spread % |\n|---|---|---|---|")
             for s, v in medians(simulated(a.scenario, a.calibrate, options)).items():

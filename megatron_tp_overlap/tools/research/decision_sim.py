@@ -69,7 +69,7 @@ FWD_FASTEST = {"proj.fwd": 1.2}
 GLM = FWD | {"qkv.fwd": (0.0, 0.05, 0.08), "fc2.fwd": (0.0, 0.03, 0.08)}
 MAX = {s: (0.0, 0.01, 0.0) for s in SLOTS} | {"proj.fwd": (0.0, 0.03, 0.0)}  # hostmax's GPU noise (disturbances.py)
 NOISE = {"trial_wide": dist.WIDE, "hostfwd": FWD, "hostglm": GLM, "hostmax": MAX, "hostrest": GLM, "hostbusy": MAX}
-HOSTS = {"hostmax": HostModes, "hostbusy": lambda: HostModes(dist.BUSY_MODES)}  # hosts that are slow at times
+HOSTS = {"hostmax": HostModes, "hostbusy": lambda: HostModes(dist.BUSY_MODES, dist.BUSY_REST)}  # slow at times
 
 
 @dataclass
@@ -161,7 +161,8 @@ class SimulatedRun:
                     v = max(v, HostModes.issue_ms(s, self.floor[s], u))
                 slots[s].append(v)
                 total += v
-            rest = (STEP_MS - 12 * GEMM_MS - sum(self.extra.values())) * dist.slow_rest(u, self.rng) * max(0.5, 1 + r)
+            slow = dist.slow_rest(u, self.rng, self.modes.rest) if self.modes else 1.0
+            rest = (STEP_MS - 12 * GEMM_MS - sum(self.extra.values())) * slow * max(0.5, 1 + r)
             step_ms.append(total + factor * rest + host + self.rng.gauss(0, 0.002 * STEP_MS))
             self.i += 1
             self.since += 1
@@ -177,7 +178,7 @@ class SimulatedRun:
             v = sum(self.world.gemm_ms(g, config) for g in SLOTS[s]) + self.extra.get(s, 0.0)
             ms += self.modes.mean_ms(s, v, self.floor[s]) - v
         rest = STEP_MS - 12 * GEMM_MS - sum(self.extra.values())
-        return ms + self.modes.slow_share * (dist.mean_slow_rest() - 1) * rest
+        return ms + self.modes.slow_share * (dist.mean_slow_rest(self.modes.rest) - 1) * rest
 
 
 @dataclass
