@@ -59,11 +59,12 @@ def test_the_busy_hosts_rest_follows_the_host_as_measured_and_a_whatif_moves_one
     assert slow_step_corr("hostbusy") > 0.6 and abs(slow_step_corr("hostmax")) < 0.2
     busy = sim.HOSTS["hostbusy"]()
     assert busy.rest == dist.BUSY_REST and busy.modes == dist.BUSY_MODES
-    assert dist.mean_slow_rest(busy.rest) == pytest.approx(0.98 + 0.07 * 2.05)  # proj.fwd's slow range: 1.4-2.7x
+    assert busy.mean_rest() == pytest.approx(0.98 + 0.07 * 2.05)  # proj.fwd's slow range: 1.4-2.7x
     with nw.moved("hostmax", {}, None, None, nw.host_with("hostmax", rest=(0.98, 0.07, 0.02))):
         assert sim.HOSTS["hostmax"]().modes == dist.HOST_MODES  # not named: as the scenario has it
         assert slow_step_corr("hostmax") > 0.6
-    assert sim.HOSTS["hostmax"]().rest == dist.SLOW_REST == 1.12 and dist.slow_rest(0.0, random.Random(0)) == 1.0
+    host = sim.HOSTS["hostmax"]()
+    assert host.rest == dist.SLOW_REST == 1.12 and host.rest_factor(0.0, random.Random(0)) == 1.0
 
 
 def test_real_searches_figures_are_read_per_search_and_a_bad_slot_spec_names_itself(tmp_path):

@@ -42,11 +42,7 @@ FIELDS = ("rest_scaled_by", "trial_level_pct", "step_spread_pct")
 
 @contextmanager
 def moved(
-    scenario: str,
-    noise: dict[str, tuple[float, float]],
-    slopes: dict[str, float] | None,
-    spread=None,
-    host=None,
+    scenario: str, noise: dict[str, tuple[float, float]], slopes: dict[str, float] | None, spread=None, host=None
 ):
     """decision_sim with ``scenario``'s slots at ``noise`` (slot: (step, trial) relative spreads), the rest's slopes
     and spread, and its host (:func:`host_with`) replaced where given; everything put back on exit."""
@@ -83,7 +79,7 @@ def host_with(
     scenario: str, modes: tuple[float, float] | None = None, rest: tuple[float, float, float] | None = None
 ) -> Callable[[], dist.HostModes]:
     """``scenario``'s host at ``modes`` (P(slow | slow step before), P(slow | fast step before)) and with ``rest`` in
-    its slow steps (:func:`disturbances.slow_rest`), each as the scenario has it where not given, for :func:`moved`;
+    its slow steps (``disturbances.HostModes.rest_factor``), each as the scenario has it where not given, for :func:`moved`;
     ValueError naming the flag for a scenario without a host."""
     require_host(scenario, "--host-modes" if modes else "--slow-rest")
     now = sim.HOSTS[scenario]()

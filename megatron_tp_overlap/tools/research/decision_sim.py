@@ -161,7 +161,7 @@ class SimulatedRun:
                     v = max(v, HostModes.issue_ms(s, self.floor[s], u))
                 slots[s].append(v)
                 total += v
-            slow = dist.slow_rest(u, self.rng, self.modes.rest) if self.modes else 1.0
+            slow = self.modes.rest_factor(u, self.rng) if self.modes else 1.0
             rest = (STEP_MS - 12 * GEMM_MS - sum(self.extra.values())) * slow * max(0.5, 1 + r)
             step_ms.append(total + factor * rest + host + self.rng.gauss(0, 0.002 * STEP_MS))
             self.i += 1
@@ -178,7 +178,7 @@ class SimulatedRun:
             v = sum(self.world.gemm_ms(g, config) for g in SLOTS[s]) + self.extra.get(s, 0.0)
             ms += self.modes.mean_ms(s, v, self.floor[s]) - v
         rest = STEP_MS - 12 * GEMM_MS - sum(self.extra.values())
-        return ms + self.modes.slow_share * (dist.mean_slow_rest(self.modes.rest) - 1) * rest
+        return ms + self.modes.slow_share * (self.modes.mean_rest() - 1) * rest
 
 
 @dataclass

@@ -47,38 +47,36 @@ HOST_SLOW = {"proj.fwd": (1.4, 2.7), "qkv.fwd": (1.3, 2.3)}  # the host's issue 
 # 0.955-0.982 + 0.065-0.073 x proj.fwd's ratio to its fast median, residual sd 0.020-0.024 (n1 C_pin0, n2 D_free0/1;
 # corr 0.74-0.93). hostbusy has n2's fit (BUSY_REST, since the fifty-third session; a constant 1.12 before, which the
 # search's slopes could not take out: decision_sim README, fifty-second section); hostmax keeps the constant its table
-# and tests were built on (at n1's fit, 0.982 0.073 0.022: 99.9% / 87.3%, no seed under 80%)
+# and tests were built on (at n1's fit, 0.982 0.073 0.022: 99.9% / 87.3%, no seed under 80%). HostModes carries it
 SLOW_REST = 1.12
 BUSY_REST = (0.98, 0.07, 0.02)
 Rest = float | tuple[float, float, float]
 
 
-def slow_rest(u: float, rng: random.Random, rest: Rest = SLOW_REST) -> float:
-    """The rest's factor in a step at place ``u`` of the slow range (0: a fast step, 1.0; a constant ``rest``: no
-    draw)."""
-    if not u or isinstance(rest, float):
-        return rest if u else 1.0
-    a, b, sd = rest
-    lo, hi = HOST_SLOW["proj.fwd"]
-    return a + b * (lo + u * (hi - lo)) + rng.gauss(0, sd)
-
-
-def mean_slow_rest(rest: Rest = SLOW_REST) -> float:
-    """The rest's factor averaged over the slow steps (``u`` uniform)."""
-    if isinstance(rest, float):
-        return rest
-    a, b, _ = rest
-    return a + b * sum(HOST_SLOW["proj.fwd"]) / 2
-
-
 class HostModes:
     """The host's state step by step (``hostmax``, ``hostbusy``): slow or fast, and in a slow step how far behind it
     issues. ``modes``: (P(slow | slow step before), P(slow | fast step before)); default ``HOST_MODES``. ``rest``: the
-    rest of the step in a slow step (:func:`slow_rest`); default ``SLOW_REST``."""
+    rest of the step in a slow step (:meth:`rest_factor`); default ``SLOW_REST``."""
 
     def __init__(self, modes: tuple[float, float] | None = None, rest: Rest | None = None) -> None:
         self.modes, self.slow, self.u = modes or HOST_MODES, False, 0.0
         self.rest = SLOW_REST if rest is None else rest
+
+    def rest_factor(self, u: float, rng: random.Random) -> float:
+        """The rest's factor in a step at place ``u`` of the slow range (0: a fast step, 1.0; a constant ``rest``: no
+        draw)."""
+        if not u or isinstance(self.rest, float):
+            return self.rest if u else 1.0
+        a, b, sd = self.rest
+        lo, hi = HOST_SLOW["proj.fwd"]
+        return a + b * (lo + u * (hi - lo)) + rng.gauss(0, sd)
+
+    def mean_rest(self) -> float:
+        """The rest's factor averaged over the slow steps (``u`` uniform)."""
+        if isinstance(self.rest, float):
+            return self.rest
+        a, b, _ = self.rest
+        return a + b * sum(HOST_SLOW["proj.fwd"]) / 2
 
     def step(self, rng: random.Random, n: int = 1) -> float:
         """``n`` steps on; the last one's place in the slow range, (0, 1], all slots alike (0: the GPU is the bound)."""
