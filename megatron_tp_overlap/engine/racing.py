@@ -110,21 +110,22 @@ class Racing(rest_scaling.RestScaling):
 
     def _incumbent_level(self, incumbent: TuningConfig, opt: Option) -> float:  # its slots' median ms (cached)
         if (key := ("inc_level", incumbent, self._slots_of(opt), len(self.trials))) not in self._cache:
-            vals = [
-                v for t in self._incumbent_trials(incumbent) for v in (self._score(self._scaled(t, None), key[2]) or [])
-            ]
+            got = (self._score(self._scaled(t, None), key[2]) for t in self._incumbent_trials(incumbent))
+            vals = [v for x in got for v in (x or [])]
             self._cache[key] = statistics.median(vals) if vals else 0.0
         return self._cache[key]
 
     def _opt_sigma(self, incumbent: TuningConfig, opt: Option) -> float:
-        """One step's spread of ``opt``'s slots (ms): the search's pooled relative spread times each slot's level
-        under the incumbent, slots independent. Pooled in ms over slots of 3 and 6 ms, the spread of the larger slot
-        was understated, and on equal simulated worlds 10% of the leaders re-checked beat the incumbent by 2 of
-        these standard errors (2.3% expected): the false winners of issue 46."""
+        """One step's spread of ``opt``'s slots (ms): the pooled relative spread times each slot's level under the
+        incumbent, slots independent; with ``slot_spread``, at least the slot's own where no trial level counts for it
+        (one fitted on the pooled spread takes in a noisier slot's excess) and no floor caps its steps."""
         key = ("opt_sigma", incumbent, self._slots_of(opt), len(self.trials))
         if key not in self._cache:
-            levels = [self._slot_level(incumbent, s) for s in self._slots_of(opt)]
-            self._cache[key] = self._sigma() * math.sqrt(sum(v * v for v in levels))
+            pooled, tops, o = self._sigma(), self._floor_tops(), self.opt
+            taus = self._taus(incumbent) if o.slot_spread and o.trial_noise else {}
+            own = lambda s: self._sigma(s) if o.slot_spread and s not in tops and not taus.get(s) else pooled  # noqa: E731
+            sig = (max(pooled, own(s)) * self._slot_level(incumbent, s) for s in self._slots_of(opt))
+            self._cache[key] = math.sqrt(sum(v * v for v in sig))
         return self._cache[key]
 
     def _opt_tau(self, incumbent: TuningConfig, opt: Option) -> float:

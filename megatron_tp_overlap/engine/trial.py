@@ -150,6 +150,10 @@ class SearchOptions:
     # passed it; real Granite-3-8B-like FP8 steps: no level counted where proj.fwd's trials differed 8-18x what its
     # steps give; decision_sim hostmax: false winners 1.5 -> 0%). 0: the pooled test only
     trial_own_diffs: int = 30
+    # 1: a slot with no trial level counted (and no floor) has at least its own steps' spread in the standard errors,
+    # not only the spread pooled over slots, a median that steady slots set (decision_sim hostbusy 43: an equal-or-
+    # slower qkv_fprop read 0.50 ms faster at 1.4% where qkv.fwd's own was 8.7%; real L/M FP8 forwards 2-12x it)
+    slot_spread: int = 1
     # 1: in a racing round a slot whose options all ran measures them again while the fullest slot's still run
     fill_slots: int = 1
     # fresh looks at a GEMM's leader at most: the first looks.RECHECKS are kept in the budget, later ones take its rest
@@ -263,6 +267,7 @@ class SearchOptions:
             "rest_norm",
             "decision_rest_norm",
             "trial_noise",
+            "slot_spread",
             "fill_slots",
             "look_spread",
             "later_reach",
