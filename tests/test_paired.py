@@ -216,10 +216,14 @@ def test_at_the_budgets_last_look_an_estimate_under_a_gain_worth_a_switch_is_han
     """The last look by the 24th quadruple is at 95%, every other at 99%. The table's equal worlds named there (hostrest
     7, hostfwd 131, hostbusy 76 and 162) read 0.14-0.23 ms of a 100-111 ms step, under or at a gain worth a switch
     (0.2%); its true gains decided there read 0.43-1.3 ms. Such a config now goes to the in-run verification instead of
-    being named, and a true gain decided at that look is still taken (hostrest 21: 1.15-1.26 ms)."""
-    equal = decision_sim.run_once("hostrest", 0.0, decision_sim.EQUAL_SEED + 7)
+    being named, and a true gain decided at that look is still taken (hostrest 21: 1.15-1.26 ms). Recorded before
+    the fifty-fourth session's own spreads (``slot_spread=0``), with which 7 accepts no equal choice at all."""
+    from megatron_tp_overlap.engine.search import SearchOptions
+
+    before = SearchOptions(slot_spread=0)
+    equal = decision_sim.run_once("hostrest", 0.0, decision_sim.EQUAL_SEED + 7, before)
     assert not equal.false_winner and equal.handed and equal.excess == 0.0
-    gain = decision_sim.run_once("hostrest", decision_sim.seed_gain(21), decision_sim.GAIN_SEED + 21)
+    gain = decision_sim.run_once("hostrest", decision_sim.seed_gain(21), decision_sim.GAIN_SEED + 21, before)
     assert gain.realized == 1.0 and not gain.handed
 
 

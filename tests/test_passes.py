@@ -19,10 +19,10 @@ def test_a_second_pass_takes_the_option_two_unlucky_racing_trials_ruled_out():
     the host's slow stretches), an equal option was accepted in its place and the search ended at 76 s of 180 with
     79.0% of the gain as a run sees it (72.2% of its GPU time, the table's measure until the fiftieth session). The second pass measures every option afresh against that config and takes the rest; its choice
     names the pass. (Uncapped: with ``floor_cap`` the first pass accepts an equal ``qkv_fprop`` too, ending at 63 s.
-    At the rest scaling of before the forty-seventh session, ``BEFORE_47``.)"""
-    gain, world = sim.seed_gain(143), sim.GAIN_SEED + 143
-    one = sim.run_once("hostmax", gain, world, SearchOptions(passes=1, floor_cap=0.0, **BEFORE_47))
-    two = sim.run_once("hostmax", gain, world, SearchOptions(floor_cap=0.0, **BEFORE_47))
+    At the rest scaling of before the forty-seventh session, ``BEFORE_47``, and the pooled spread alone.)"""
+    gain, world, old = sim.seed_gain(143), sim.GAIN_SEED + 143, {"floor_cap": 0.0, "slot_spread": 0, **BEFORE_47}
+    one = sim.run_once("hostmax", gain, world, SearchOptions(passes=1, **old))
+    two = sim.run_once("hostmax", gain, world, SearchOptions(**old))
     assert (round(one.realized, 3), round(one.seconds)) == (0.79, 76)
     assert two.realized == 1.0 and two.seconds <= SearchOptions().max_seconds and SearchOptions().passes == 2
     assert {g: c.get("pass") for g, c in two.choices.items() if c["accepted"]} == {

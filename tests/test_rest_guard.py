@@ -92,8 +92,8 @@ def test_blocks_that_meet_faster_steps_are_not_named_and_a_real_gain_is_still_ta
     [
         ("hostbound", 185, BEFORE_47, False),
         ("trial_wide", 126, {**AT_120, "late_z": 0.0}, False),
-        ("hostmax", 44, {"trial_own_diffs": 0, "floor_cap": 0.0, **BEFORE_47}, True),
-        ("hostmax", 72, {"trial_own_diffs": 0, "floor_cap": 0.0, **BEFORE_47}, True),
+        ("hostmax", 44, {"trial_own_diffs": 0, "slot_spread": 0, "floor_cap": 0.0, **BEFORE_47}, True),
+        ("hostmax", 72, {"trial_own_diffs": 0, "slot_spread": 0, "floor_cap": 0.0, **BEFORE_47}, True),
     ],
 )
 def test_the_simulators_equal_worlds_that_named_a_winner_keep_the_reference_with_the_guard(

@@ -691,6 +691,6 @@ def test_a_decision_within_the_noise_says_what_seeing_a_1pct_gain_would_take():
         at_60(max_steps=10_000, max_seconds=1e9),
     ).run(ref, base)
     assert res.best_name == "reference" and "within the noise" in res.reason, res.reason
-    assert "steps are noisy (+-1.6% of a step after 64 quadruples): a gain of 1% of a step would need about 162" in (
+    assert "steps are noisy (+-1.4% of a step after 64 quadruples): a gain of 1% of a step would need about 128" in (
         res.reason
     )
