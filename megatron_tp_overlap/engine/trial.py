@@ -152,7 +152,7 @@ class SearchOptions:
     trial_own_diffs: int = 30
     # 1: a slot with no trial level counted (and no floor) has at least its own steps' spread in the standard errors,
     # not only the spread pooled over slots, a median that steady slots set (decision_sim hostbusy 43: an equal-or-
-    # slower qkv_fprop read 0.50 ms faster at 1.4% where qkv.fwd's own was 8.7%; real L/M FP8 forwards 2-12x it)
+    # slower qkv_fprop read 0.50 ms faster at 1.4% where qkv.fwd's own was 8.7%; real L/M FP8 forwards 1.8-14x)
     slot_spread: int = 1
     # 1: in a racing round a slot whose options all ran measures them again while the fullest slot's still run
     fill_slots: int = 1
