@@ -670,6 +670,27 @@ def test_a_step_is_priced_at_its_wall_time_when_trials_of_two_lengths_tell_it():
     assert wall_per_step([(2, 0.63)] * 9) is None
 
 
+def test_the_rates_read_trial_by_trial_are_the_rates_of_every_trial_read_at_once():
+    """The search asks for its rates after every trial and reads each trial once (engine/budget.py ``RateTally``):
+    the figures are those of all its trials read at once, to the bit, through untimed and failed trials (no seconds,
+    no step ms), both kinds of trial and three lengths."""
+    import random
+
+    from megatron_tp_overlap.engine.budget import Budget
+
+    class Spent(Budget):
+        def __init__(self, spent):
+            self._cache, self._spent, self._outside, self.elapsed_s, self.steps_run = {}, spent, [(0.3, 0.25)], 9.0, 90
+
+    rng, grown = random.Random(5), Spent([])
+    for i in range(120):
+        sec = 0.0 if rng.random() < 0.1 else rng.uniform(0.2, 2.0)  # 0: untimed
+        ms = 0.0 if rng.random() < 0.1 else rng.gauss(75.0, 3.0)  # 0: a failed trial
+        grown._spent.append((rng.choice((2, 5, 9)), rng.random() < 0.7, sec, ms))
+        assert grown._measured_rates() == Spent(list(grown._spent))._measured_rates(), i
+    assert grown._measured_rates()[1] > 0  # the switches were priced
+
+
 def test_a_decision_within_the_noise_says_what_seeing_a_1pct_gain_would_take():
     """+-8% of a step after 9 quadruples of 2 s: 1% needs 9 * 8^2 = 576 quadruples, 1152 s; none when already +-1%."""
     from megatron_tp_overlap.engine.decision import noise_hint

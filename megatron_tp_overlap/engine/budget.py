@@ -5,6 +5,7 @@ the final decision's reserve, and what the budget left out of what it must not. 
 
 from __future__ import annotations
 
+import bisect
 import statistics
 from typing import TYPE_CHECKING
 
@@ -58,27 +59,25 @@ class Budget:
         return self._cache[key]
 
     def _measured_rates(self) -> tuple[float, float, float]:
-        timed = [(i, n, sw, sec, ms) for i, (n, sw, sec, ms) in enumerate(self._spent) if sec > 0]
-        if not any(ms > 0 for *_, ms in timed):
+        tally = self._cache.setdefault(("rate_tally",), RateTally())
+        for i in range(tally.done, len(self._spent)):
+            tally.add(i, *self._spent[i])
+        if not tally.ms:
             per_step = self.elapsed_s / self.steps_run if self.steps_run else 0.0
             return per_step, 0.0, 0.0
-        step_s = statistics.median(ms for *_, ms in timed if ms > 0) / 1000  # a failed trial (ms 0) has its seconds
+        step_s = sorted_median(tally.ms) / 1000  # a failed trial (ms 0) has its seconds
         # a step can cost more wall time than its GPU time (the host's part of a step: Qwen3-MoE-like steps on one
         # H100); switching trials of different lengths tell it: their seconds' slope in the steps
-        slope = wall_per_step([(n, sec) for i, n, sw, sec, ms in timed if sw and i > 0 and ms > 0])
-        step_s = max(step_s, slope or 0.0)
-        rest = {
-            sw: [max(0.0, sec - n * step_s) for i, n, s_, sec, _ in timed if s_ == sw and i > 0] for sw in (True, False)
-        }
+        step_s = max(step_s, slope_of(tally.by_len) or 0.0)
         # the first trial's switch also holds one-off costs (on 2 H200s in Megatron: 5.7 s against 0.6 s later; 4.9 s
         # in engine_tune): it prices no switch. Until a later switch is measured a switch is priced at nothing, so the
         # next trial (which switches) measures it: priced at the first trial's, 4 switches of screening's reserve took
         # a 20-30 s budget and the search stopped after 2 trials (2 H200s, 2026-11-24); at most one trial beyond
-        switch_s = statistics.mean(rest[True] or [0.0])
+        switch_s = tally.rest_mean(True, step_s)
         # a continuing trial, before any ran: the search's own work between trials, at most a switch trial's
         outside = [max(0.0, sec - wall) for sec, wall in self._outside]
         continuing_s = (
-            statistics.mean(rest[False]) if rest[False] else min(switch_s, statistics.fmean(outside or [0.0]))
+            tally.rest_mean(False, step_s) if tally.rest[False] else min(switch_s, statistics.fmean(outside or [0.0]))
         )
         return step_s, switch_s, continuing_s
 
@@ -141,6 +140,45 @@ class Budget:
         )
 
 
+class RateTally:
+    """The trials as :meth:`Budget._measured_rates` reads them, each added once (the rates are asked for again after
+    every trial, and reading every trial each time was a tenth of a simulated search's time): the timed trials' step ms
+    in order, the switching ones' seconds per length, and each kind's (steps, seconds) after the first trial."""
+
+    def __init__(self) -> None:
+        self.done = 0
+        self.ms: list[float] = []  # sorted: every timed trial's median step ms (> 0)
+        self.by_len: dict[int, list[float]] = {}  # switching trials after the first, with step ms: steps -> seconds
+        self.rest: dict[bool, list[tuple[int, float]]] = {True: [], False: []}  # after the first: (steps, seconds)
+        self._means: dict[bool, tuple[float, int, float]] = {}  # per kind: (step s, trials, mean) of the last asked
+
+    def add(self, i: int, steps: int, switched: bool, sec: float, ms: float) -> None:
+        self.done = i + 1
+        if sec <= 0:  # not timed
+            return
+        if ms > 0:
+            bisect.insort(self.ms, ms)
+            if switched and i > 0:
+                self.by_len.setdefault(steps, []).append(sec)
+        if i > 0:
+            self.rest[switched].append((steps, sec))
+
+    def rest_mean(self, switched: bool, step_s: float) -> float:
+        """The mean seconds beyond ``step_s`` per step of the trials of that kind (0 without any)."""
+        rows = self.rest[switched]
+        got = self._means.get(switched)
+        if got is None or got[:2] != (step_s, len(rows)):
+            got = step_s, len(rows), statistics.mean([max(0.0, sec - n * step_s) for n, sec in rows] or [0.0])
+            self._means[switched] = got
+        return got[2]
+
+
+def sorted_median(v: list[float]) -> float:
+    """``statistics.median`` of ``v``, already sorted."""
+    mid = len(v) // 2
+    return v[mid] if len(v) % 2 else (v[mid - 1] + v[mid]) / 2
+
+
 def wall_per_step(trials: list[tuple[int, float]]) -> float | None:
     """Seconds per step from ``trials`` [(steps, seconds)] that all switch config: the least-squares slope through
     each length's median seconds (a trial held up by a GC or the host moves its length's median, not the slope);
@@ -148,6 +186,11 @@ def wall_per_step(trials: list[tuple[int, float]]) -> float | None:
     by_len: dict[int, list[float]] = {}
     for n, sec in trials:
         by_len.setdefault(n, []).append(sec)
+    return slope_of(by_len)
+
+
+def slope_of(by_len: dict[int, list[float]]) -> float | None:
+    """:func:`wall_per_step` of its trials' seconds per length."""
     pts = [(n, statistics.median(v)) for n, v in by_len.items() if len(v) >= 2]
     if len(pts) < 2:
         return None
