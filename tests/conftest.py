@@ -1,3 +1,4 @@
+import gc
 import sys
 from pathlib import Path
 
@@ -23,3 +24,22 @@ def fake_te(monkeypatch):
 def _no_hub(monkeypatch):
     """Tests never reach the Hugging Face hub (CI has no network); tests of the hub path mock it."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+def pytest_collection_finish(session):
+    """Freeze what collection imported (torch's ~170k objects among it) out of the garbage collector's full
+    collections: the simulated searches allocate fast and each full collection walked it all (a tenth of the suite's
+    CPU), and a forked rank that walks it copies the pages it touches (``gc.freeze``'s own use case)."""
+    gc.collect()
+    gc.freeze()
+
+
+@pytest.fixture
+def thawed_heap():
+    """A heap that nobody froze, for the tests of what freezing it does (engine/heap.py); the suite's freeze is made
+    again after."""
+    gc.unfreeze()
+    yield
+    gc.unfreeze()
+    gc.collect()
+    gc.freeze()

@@ -367,6 +367,25 @@ class _Dispatcher:  # not a module, as Megatron's MoE token dispatchers
 _KEPT_ELSEWHERE: dict = {}  # a module-level cache, as a library might keep
 
 
+def test_a_refused_switch_names_the_holder_that_a_frozen_heap_set_aside(fake_te, thawed_heap):
+    """The in-run verification freezes the heap (engine/heap.py), and the referrer walks skip frozen objects: a graph
+    kept from before the freeze, whose backward has not run, holds the communicator. The refusal names its holder
+    (it read 'held by: ?'), and the heap is frozen again after."""
+    model = fakes.fake_model(layers=1)
+    sw = ub_runtime.UbSwitcher(fakes.fake_init_args(), find_overlap_modules(model))
+    sw.apply(TuningConfig(UbConfig()))
+    x = torch.randn(4, requires_grad=True)
+    pending = (_KeepsCommunicator.apply(x, fake_te._ub_communicators["qkv_fprop"]) + 0,)  # no backward
+    gc.freeze()
+    try:
+        with pytest.raises(StaleCommunicatorError, match="held by: .*dict of _KeepsCommunicatorBackward"):
+            sw.apply(TuningConfig(UbConfig().with_entry("fc2_fprop", GemmOverlapConfig(method="pipeline", num_sm=8))))
+        assert gc.get_freeze_count() > 0 and fake_te.destroys == 0  # frozen again
+    finally:
+        gc.unfreeze()
+    del pending
+
+
 def test_a_spent_graph_that_outlives_its_step_lets_go_of_its_communicators(fake_te):
     """On 2 H100s a Megatron-LM MoE run refused every switch at TP=2 (StaleCommunicatorError, 'held by: dict of
     _LayerNormLinearBackward'): every qkv's context outlived the step, with a graph that neither module attributes
@@ -434,7 +453,7 @@ def test_a_forward_whose_backward_has_not_run_refuses_the_switch(fake_te):
     assert not any(m.module._forward_hooks for m in sw.modules)
 
 
-def test_a_spent_context_alive_when_the_heap_was_frozen_lets_go_too(fake_te):
+def test_a_spent_context_alive_when_the_heap_was_frozen_lets_go_too(fake_te, thawed_heap):
     """The in-run verification freezes the heap at its first iteration (engine/heap.py), and the referrer walks skip
     frozen objects: a context kept alive from the iteration before would hold its communicator through every switch.
     The switch looks among the frozen objects too, when the rest left a reference."""

@@ -263,7 +263,7 @@ def test_the_verify_noise_analysis_replays_the_short_design_and_finds_the_positi
     }
 
 
-def test_the_heap_is_frozen_from_the_first_iteration_to_the_verdict():
+def test_the_heap_is_frozen_from_the_first_iteration_to_the_verdict(thawed_heap):
     """Each switch collects garbage; over a Megatron process's heap that cost ~0.34 s per switch (H200), so the
     objects from before the verification stay out of it, as during tuning, and come back after the verdict."""
     import gc
@@ -279,7 +279,7 @@ def test_the_heap_is_frozen_from_the_first_iteration_to_the_verdict():
     assert gc.get_freeze_count() == before
 
 
-def test_a_heap_frozen_in_part_by_someone_else_is_frozen_whole_and_their_freeze_is_kept():
+def test_a_heap_frozen_in_part_by_someone_else_is_frozen_whole_and_their_freeze_is_kept(thawed_heap):
     """In Megatron-LM's process on an H100, 375 objects were frozen before tuning (by an import); skipping the freeze
     then left 725,703 objects tracked and a 0.47 s collection per switch. The heap is frozen all the same, and their
     freeze is not undone (``gc.unfreeze`` would thaw their objects too)."""

@@ -16,9 +16,10 @@ config's communicators and flags fixed at its forward. :class:`PendingBackwards`
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -53,11 +54,8 @@ def release_from_contexts(communicators: Iterable[Any], frozen: bool = False) ->
     if frozen:
         if not gc.get_freeze_count():
             return []  # nothing set aside: the plain walk has seen every object
-        gc.unfreeze()
-        try:
+        with thawed():
             return release_from_contexts(communicators)
-        finally:
-            gc.freeze()
     comms = list(communicators)
     ids = {id(c) for c in comms}
     dicts = [r for r in gc.get_referrers(*comms) if isinstance(r, dict)] if comms else []
@@ -71,6 +69,20 @@ def release_from_contexts(communicators: Iterable[Any], frozen: bool = False) ->
                     attrs[key] = None
                     dropped.append(f"{type(owner).__name__}.{key}")
     return dropped
+
+
+@contextlib.contextmanager
+def thawed() -> Iterator[None]:
+    """Inside the block the referrer walks see the objects that ``gc.freeze`` set aside too; they are frozen again
+    afterwards, with the objects made since (garbage among them waits for the next unfreeze, engine/heap.py)."""
+    if not gc.get_freeze_count():
+        yield
+        return
+    gc.unfreeze()
+    try:
+        yield
+    finally:
+        gc.freeze()
 
 
 def holder_name(referrer: Any) -> str:
