@@ -220,7 +220,7 @@ def test_the_report_gives_each_slots_own_step_spread_and_a_noisier_slot_counts_i
     """``per_slot.step_spread_pct``: one step's relative spread of each slot on its own (real bf16 steps: qkv.fwd
     2-3%, the rest 1-2%). Here every slot has 1% but the forward of qkv, 4%: the report says so. The spread pooled over
     the slots (a median) lies between; with no trial level counted for qkv.fwd, its options' standard errors use its
-    own (``slot_spread``), and the pooled one with ``slot_spread=0``."""
+    own (``slot_spread``), and the pooled one with ``slot_spread=0``; the report says which (``se_spread_pct``)."""
     topo, space, ref, base = setup()
 
     class Noisy(Synthetic):
@@ -233,8 +233,11 @@ def test_the_report_gives_each_slots_own_step_spread_and_a_noisier_slot_counts_i
 
     searcher = Searcher(topo, space, Noisy(topo, noise=0.0), CTX, SearchOptions(max_seconds=60))
     res = searcher.run(ref, base)
-    spread = {s: r["step_spread_pct"] for s, r in build_report(res, topo, {})["search"]["per_slot"].items()}
+    per_slot = build_report(res, topo, {})["search"]["per_slot"]
+    spread = {s: r["step_spread_pct"] for s, r in per_slot.items()}
     qkv = spread.pop("qkv.fwd")
+    se = {s: r["se_spread_pct"] for s, r in per_slot.items()}  # what the standard errors used, as the report says
+    assert se.pop("qkv.fwd") == qkv and len(set(se.values())) == 1 and 2.5 * se["fc2.bwd"] < qkv, se
     assert all(0.7 < v < 1.4 for v in spread.values()) and 2.5 * max(spread.values()) < qkv < 5.0, (qkv, spread)
     pooled = searcher._sigma()
     assert 1.0 < 100 * pooled < 3.0  # pooled: between the two

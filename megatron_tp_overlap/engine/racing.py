@@ -116,17 +116,22 @@ class Racing(rest_scaling.RestScaling):
         return self._cache[key]
 
     def _opt_sigma(self, incumbent: TuningConfig, opt: Option) -> float:
-        """One step's spread of ``opt``'s slots (ms): the pooled relative spread times each slot's level under the
-        incumbent, slots independent; with ``slot_spread``, at least the slot's own where no trial level counts for it
-        (one fitted on the pooled spread takes in a noisier slot's excess) and no floor caps its steps."""
+        """One step's spread of ``opt``'s slots (ms): each slot's :meth:`_se_sigma` times its level under the
+        incumbent, slots independent."""
         key = ("opt_sigma", incumbent, self._slots_of(opt), len(self.trials))
         if key not in self._cache:
-            pooled, tops, o = self._sigma(), self._floor_tops(), self.opt
-            taus = self._taus(incumbent) if o.slot_spread and o.trial_noise else {}
-            own = lambda s: self._sigma(s) if o.slot_spread and s not in tops and not taus.get(s) else pooled  # noqa: E731
-            sig = (max(pooled, own(s)) * self._slot_level(incumbent, s) for s in self._slots_of(opt))
+            sig = (self._se_sigma(incumbent, s) * self._slot_level(incumbent, s) for s in self._slots_of(opt))
             self._cache[key] = math.sqrt(sum(v * v for v in sig))
         return self._cache[key]
+
+    def _se_sigma(self, incumbent: TuningConfig, slot: str) -> float:
+        """The relative spread of one step that the standard errors give ``slot`` (the report's ``se_spread_pct``):
+        the pooled one; with ``slot_spread``, at least the slot's own where no trial level counts for it (one fitted
+        on the pooled spread takes in a noisier slot's excess) and no floor caps its steps."""
+        pooled, o = self._sigma(), self.opt
+        if not o.slot_spread or slot in self._floor_tops() or o.trial_noise and self._taus(incumbent).get(slot):
+            return pooled
+        return max(pooled, self._sigma(slot))
 
     def _opt_tau(self, incumbent: TuningConfig, opt: Option) -> float:
         """A trial's shared level spread of ``opt``'s slots (ms): each slot's ``tau`` (engine/trial_effect.py, over
@@ -346,7 +351,7 @@ class Racing(rest_scaling.RestScaling):
             for s in seen[1]:
                 acc = self._cache.setdefault(("sigma_acc", s, betas.get(s, 0.0)), [0, stats.PairColumns()])
                 for t in self.trials[acc[0] :]:
-                    self._add_diffs(acc[1], t, s, betas.get(s, 0.0))
+                    rest_scaling.add_step_diffs(acc[1], t, s, betas.get(s, 0.0))
                 acc[0] = len(self.trials)
                 if acc[1].key:
                     cols[s] = acc[1].arrays()
@@ -358,19 +363,6 @@ class Racing(rest_scaling.RestScaling):
         if ("slot_sigma", slot, len(self.trials)) not in self._cache:
             self._cache[("slot_sigma", slot, len(self.trials))] = stats.positional_sd_columns(*cols[slot])
         return self._cache[("slot_sigma", slot, len(self.trials))]
-
-    @staticmethod
-    def _add_diffs(acc: stats.PairColumns, t: Trial, slot: str, beta: float) -> None:
-        """Add each consecutive pair of ``slot``'s samples in ``t``, scaled to their median, to ``acc``: (group length,
-        position), relative difference, difference, level (what :func:`stats.pooled_sigma` computes per group, in its
-        arithmetic); scaled by ``beta`` on the trial's own rest first (engine/rest_scaling.py)."""
-        v = rest_scaling.own_scaled(t, slot, beta)
-        if not v or (m := statistics.median(v)) <= 0:
-            return
-        g = [x / m for x in v]
-        if (level := statistics.median(g)) > 0:
-            for i, (a, b) in enumerate(zip(g, g[1:])):
-                acc.add((len(g), i), (b - a) / level, b - a, level)
 
     def _worth(self, incumbent: TuningConfig) -> float:  # a gain worth a switch (ms): rel_floor of the incumbent's step
         if (key := ("worth", incumbent, len(self.trials))) not in self._cache:

@@ -114,6 +114,20 @@ def own_scaled(t: Any, slot: str, beta: float) -> list[float]:
     return over_rest(v, c, level, beta)
 
 
+def add_step_diffs(acc: Any, t: Any, slot: str, beta: float) -> None:
+    """Add each consecutive pair of ``slot``'s samples in ``t``, scaled to their median, to ``acc``
+    (:class:`stats.PairColumns`): (group length, position), relative difference, difference, level (what
+    :func:`stats.pooled_sigma` computes per group, in its arithmetic); scaled by ``beta`` on the trial's own rest
+    first (:func:`own_scaled`)."""
+    v = own_scaled(t, slot, beta)
+    if not v or (m := statistics.median(v)) <= 0:
+        return
+    g = [x / m for x in v]
+    if (level := statistics.median(g)) > 0:
+        for i, (a, b) in enumerate(zip(g, g[1:])):
+            acc.add((len(g), i), (b - a) / level, b - a, level)
+
+
 class RestScaling:
     """The search's side (mixin of engine/racing.py): the betas over every trial so far, each trial's terms added
     once; the incumbent's rest level; each trial's scaled samples, computed once per trial count."""

@@ -309,7 +309,8 @@ class Searcher(Racing, Looks, FinalDecision, Budget):
         for s, r in self.coverage_report.items():  # the share of the rest's slowdown taken out (engine/rest_scaling.py)
             r["rest_scaled_by"] = self._betas().get(s, 0.0)
             r["trial_level_pct"] = round(100 * taus.get(s, 0.0), 3)  # counted in the racing (engine/trial_effect.py)
-            r["step_spread_pct"] = round(100 * self._sigma(s), 3)  # its own; the SEs' at least this if no level/floor
+            r["step_spread_pct"] = round(100 * self._sigma(s), 3)  # its own (MIN_SLOT_PAIRS or more), else pooled
+            r["se_spread_pct"] = round(100 * self._se_sigma(incumbent, s), 3)  # what its standard errors used
             r["floor_top_ms"] = self._floor_tops().get(s, 0.0)  # its steps counted at most this (floor_cap; 0: not)
             r["runners_up"] = sorted(f"{x.gemm}: {x.label}" for x in runners if s in self._slots_of(x))
         # 4. the accepted choices in one config, largest gain first: where two cannot go together (a
