@@ -28,8 +28,8 @@ def _no_hub(monkeypatch):
 
 def pytest_collection_finish(session):
     """Freeze what collection imported (torch's ~170k objects among it) out of the garbage collector's full
-    collections: the simulated searches allocate fast and each full collection walked it all (a tenth of the suite's
-    CPU), and a forked rank that walks it copies the pages it touches (``gc.freeze``'s own use case)."""
+    collections: the simulated searches allocate fast and each full collection walked it all (about 8% of a
+    simulated search's CPU), and a forked rank that walks it copies the pages it touches (``gc.freeze``'s own use case)."""
     gc.collect()
     gc.freeze()
 
