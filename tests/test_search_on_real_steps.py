@@ -306,6 +306,12 @@ def test_the_bar_over_many_results_counts_seeds_per_dtype_and_says_what_is_not_m
     assert [(r["variant"], r["searches"]) for r in rb.bar(same, 3, 0.7, 60.0)] == [("defaults", 6), ("rest_norm=0", 3)]
     # an option since removed stays as written (2026-11-29_h200x1e's even_brackets=1 searches)
     assert rb.options_changed({"variant": "even_brackets=1,rest_guard=1"}) == "even_brackets=1"
+    # choices accepted where the world put no faster option in that GEMM, gain and equal worlds alike
+    worlds = [(["fc1_fprop", "qkv_fprop"], ["fc1_fprop: ring_exchange"]), (["qkv_fprop"], []), ([], [])]
+    runs = [{**run(s, "gain" if fast else "equal", accepted=acc), "world_fast": fast, "dtype": "FP8"}
+            for s, (acc, fast) in enumerate(worlds)]  # fmt: skip
+    assert rb.unfounded_lines(runs) == ["FP8, defaults: qkv_fprop 2 of 3"]
+    assert rb.unfounded_lines(runs[2:]) == ["FP8, defaults: none"]
     assert rb.main([str(tmp_path / "missing")]) == 2 and "no search_on_real_steps.json" in capsys.readouterr().err
     (tmp_path / "a.log").write_text("[suite] a: rc=0\n")  # a glob like r2/search46_* also gives the logs
     assert rb.main([str(tmp_path / "a"), str(tmp_path / "a.log")]) == 2

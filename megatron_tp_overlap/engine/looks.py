@@ -31,6 +31,23 @@ RECHECKS = 3  # fresh looks at a GEMM's leader kept in the budget (the 2nd and 3
 class Looks:
     """The fresh looks at the leaders, their threshold and what they and later phases keep of the budget (mixin)."""
 
+    look_calls = 0  # calls of fresh looks so far (``balance_looks`` alternates on it)
+
+    def _looks_of(self, incumbent: TuningConfig, options: list[Option], raw: Raw, reserve: Callable[[], Work]) -> int:
+        """One call of fresh looks at ``options`` (``Searcher._measure_options`` at ``recheck_steps``): how many the
+        budget left untried. With ``balance_looks`` every other call opens with the incumbent's bracket instead of
+        closing with it: a slot that reads apart right after the search's judging, or right before it, then moves
+        the looks and their brackets alike."""
+        o = self.opt
+        self.look_calls += 1
+        lead = bool(o.balance_looks and options) and self.look_calls % 2 == 0
+        if lead:
+            # after this bracket, the first look and the two brackets _measure_options keeps for it
+            if not self._can_afford(o.recheck_steps, reserve() + Work(3 * (o.recheck_steps + o.warmup_steps), 3)):
+                return len(options)
+            self._run("bracket", incumbent, {"*": "incumbent"}, o.recheck_steps)
+        return self._measure_options("recheck", incumbent, options, o.recheck_steps, raw, reserve, close=not lead)
+
     def _look(
         self,
         incumbent: TuningConfig,
@@ -47,7 +64,7 @@ class Looks:
         raced = {g: sum(x.gemm == g for x in race.raw) for g in leaders}
         survivors = [opt for opt, gain, _ in leaders.values() if gain > 0 and raced[opt.gemm] > 1]
         raw_fresh = {opt: race.raw[opt] for opt, gain, _ in leaders.values() if gain > 0 and raced[opt.gemm] == 1}
-        unhalved = self._measure_options("recheck", incumbent, survivors, o.recheck_steps, raw_fresh, decision_cost)
+        unhalved = self._looks_of(incumbent, survivors, raw_fresh, decision_cost)
         # a leader the re-check found ahead but within the noise is re-checked once more, and all its fresh samples
         # decide: 8 steps cannot tell 2.5% of a 6 ms slot at 2% noise (decision_sim iid seed 43 left 22% of its gain);
         # a third time where the racing rounds put it beyond the noise (locked seed 43: 0.127 +- 0.034 ms raced, 0.07
@@ -66,7 +83,7 @@ class Looks:
                 and self._inconclusive(incumbent, x, raw_fresh[x], beyond[x] and o.trial_noise)
                 and (look == 2 or beyond[x] or o.trial_noise and self._opt_tau(incumbent, x) > 0)
             ]
-            unhalved += self._measure_options("recheck", incumbent, again, o.recheck_steps, raw_fresh, decision_cost)
+            unhalved += self._looks_of(incumbent, again, raw_fresh, decision_cost)
         # what the budget has left (the later phases kept) goes to leaders still ahead within the noise, at least
         # ``later_look_least`` of the way to it, up to ``max_looks`` looks (real Command-R-like steps: 17104's
         # fc1_wgrad, 0.36 ms in its fourth)
@@ -92,7 +109,7 @@ class Looks:
 
         for _ in range(RECHECKS, o.max_looks):
             again = [x for x in survivors if x in raw_fresh and later(x)]
-            if not again or self._measure_options("recheck", incumbent, again, o.recheck_steps, raw_fresh, kept):
+            if not again or self._looks_of(incumbent, again, raw_fresh, kept):
                 break
         self.budget_hit, self.limit_hit = hit  # these looks end at the reserve by design
         return survivors, raw_fresh, unhalved
@@ -158,7 +175,7 @@ class Looks:
                         self.runners.add(x)
                         runners.append(x)
                     batch.append(x)
-            if not batch or self._measure_options("recheck", against, batch, o.recheck_steps, raw_fresh, kept):
+            if not batch or self._looks_of(against, batch, raw_fresh, kept):
                 break
         self.budget_hit, self.limit_hit = hit  # these looks end at the reserve by design
         if runners:

@@ -189,6 +189,14 @@ class SearchOptions:
     # the true option, third in line, had none (the issue's third idea: a runoff among the best few). On 200 seeds it
     # took hostglm 176 (75.9 -> 100%) and named 1.5% false winners on trial_wide (0.5% one after another)
     runners_up_in_turn: int = 0
+    # 1: every other call of fresh looks opens with the incumbent's bracket and ends on an option, so that looks and
+    # brackets take the places right after the search's judging and right before it equally often. On real L/M steps
+    # at today's defaults (2 x H200, results/2026-11-30_h200x2b/ to d/) a qkv_fprop choice was accepted in 24 of 32
+    # searches, where the world had put a faster qkv_fprop in 5, and every equal world accepted a choice (16 of 16,
+    # none named by the final decision). In 7 traced equal worlds of earlier trees (GLM-4-9B- and Gemma-2-27B-like
+    # FP8), where a bracket always closed a call of looks, those brackets read qkv.fwd 0.10 +- 0.05 ms above their
+    # neighbours and the looks 0.07 +- 0.04 below. 0: a bracket closes every call (for a paired run on GPU)
+    balance_looks: int = 0
     # > 0: a slot whose steps sit at a floor with stretches well above it (a forward whose GPU waits on the host in
     # stretches) counts each step at most its floor x (1 + floor_cap): in the racing and the looks the reference's
     # 10th-percentile step, in the final decision the slower of the two configs' fastest steps in each quadruple
@@ -273,6 +281,7 @@ class SearchOptions:
             "later_reach",
             "rebase_runners_up",
             "runners_up_in_turn",
+            "balance_looks",
             "rest_guard",
         ):
             if getattr(self, k) not in (0, 1):
