@@ -372,11 +372,11 @@ class _LookCalls(Looks):
 def test_balanced_looks_open_every_other_call_with_the_incumbents_bracket():
     """``balance_looks``: on real L/M steps the looks' brackets always closed a call, right before the search's judging,
     and read qkv.fwd apart from the looks (a qkv_fprop choice accepted in 24 of 32 searches, 5 with a part put in).
-    Every other call now opens with the bracket and ends on a look, so both take either place equally often; by
-    default every call closes with its bracket, as before."""
+    Every other call now opens with the bracket and ends on a look, so both take either place equally often (2: every
+    call opens with it, each trial still after a switch); by default every call closes with its bracket, as before."""
     looks = [object(), object()]
-    default, balanced = _LookCalls(), _LookCalls(balance_looks=1)
-    for s in (default, balanced):
+    default, balanced, leading = _LookCalls(), _LookCalls(balance_looks=1), _LookCalls(balance_looks=2)
+    for s in (default, balanced, leading):
         for _ in range(3):
             assert s._looks_of("incumbent", looks, {}, Work) == 0
     assert default.calls == [("recheck", 8, 2, "closed")] * 3
@@ -386,16 +386,21 @@ def test_balanced_looks_open_every_other_call_with_the_incumbents_bracket():
         ("recheck", 8, 2, "open"),
         ("recheck", 8, 2, "closed"),
     ]
+    assert leading.calls == [("bracket", 8), ("recheck", 8, 2, "open")] * 3  # 2: every call opens with its bracket
+    with pytest.raises(ValueError, match="balance_looks = 3: must be 0, 1 or 2"):
+        SearchOptions(balance_looks=3)
 
 
 def test_a_balanced_search_opens_calls_with_a_bracket_and_decides_within_the_budget():
     """The whole search with ``balance_looks`` on decision_sim jitter seed 43 on the slow clock: it takes the gain in
     full within the budget. In its looks a bracket now follows a bracket (the closing one of a call, then the one that
-    opens the next), which the default never does."""
-    for options, balanced in ((SearchOptions(), False), (SearchOptions(balance_looks=1), True)):
+    opens the next), which the default never does; with 2 every call, the first too, opens with its bracket."""
+    for balance in (0, 1, 2):
+        options = SearchOptions(balance_looks=balance)
         out = search(options, scenario="jitter", seed=43)
         trials = [t for t in out.searcher.trials if len(t.step_samples) == options.recheck_steps]
         looked = [t.phase for t in trials if t.phase in ("recheck", "bracket")]
         doubled = sum(a == b == "bracket" for a, b in zip(looked, looked[1:]))
-        assert (doubled > 0) == balanced, looked
+        assert (doubled > 0) == (balance == 1), looked
+        assert looked[0] == ("bracket" if balance == 2 else "recheck"), looked  # 2: the first call opens with it too
         assert out.outcome.realized == 1.0 and out.outcome.seconds <= options.max_seconds

@@ -35,12 +35,12 @@ class Looks:
 
     def _looks_of(self, incumbent: TuningConfig, options: list[Option], raw: Raw, reserve: Callable[[], Work]) -> int:
         """One call of fresh looks at ``options`` (``Searcher._measure_options`` at ``recheck_steps``): how many the
-        budget left untried. With ``balance_looks`` every other call opens with the incumbent's bracket instead of
-        closing with it: a slot that reads apart right after the search's judging, or right before it, then moves
-        the looks and their brackets alike."""
+        budget left untried. With ``balance_looks`` 1 every other call opens with the incumbent's bracket instead of
+        closing with it (a slot that reads apart right after the search's judging, or right before it, then moves
+        the looks and their brackets alike), with 2 every call does."""
         o = self.opt
         self.look_calls += 1
-        lead = bool(o.balance_looks and options) and self.look_calls % 2 == 0
+        lead = bool(options) and (o.balance_looks == 2 or o.balance_looks == 1 and self.look_calls % 2 == 0)
         if lead:
             # after this bracket, the first look and the two brackets _measure_options keeps for it
             if not self._can_afford(o.recheck_steps, reserve() + Work(3 * (o.recheck_steps + o.warmup_steps), 3)):

@@ -195,7 +195,8 @@ class SearchOptions:
     # searches, where the world had put a faster qkv_fprop in 5, and every equal world accepted a choice (16 of 16,
     # none named by the final decision). In 7 traced equal worlds of earlier trees (GLM-4-9B- and Gemma-2-27B-like
     # FP8), where a bracket always closed a call of looks, those brackets read qkv.fwd 0.10 +- 0.05 ms above their
-    # neighbours and the looks 0.07 +- 0.04 below. 0: a bracket closes every call (for a paired run on GPU)
+    # neighbours and the looks 0.07 +- 0.04 below. 0: a bracket closes every call. 2: every call opens with it (each
+    # trial still after a switch; 1 lets a bracket continue the one that closed the call before). For paired GPU runs
     balance_looks: int = 0
     # > 0: a slot whose steps sit at a floor with stretches well above it (a forward whose GPU waits on the host in
     # stretches) counts each step at most its floor x (1 + floor_cap): in the racing and the looks the reference's
@@ -281,11 +282,12 @@ class SearchOptions:
             "later_reach",
             "rebase_runners_up",
             "runners_up_in_turn",
-            "balance_looks",
             "rest_guard",
         ):
             if getattr(self, k) not in (0, 1):
                 raise ValueError(f"{k} = {getattr(self, k)}: must be 0 or 1")
+        if self.balance_looks not in (0, 1, 2):
+            raise ValueError(f"balance_looks = {self.balance_looks}: must be 0, 1 or 2")
         if self.trial_own_diffs < 0:
             raise ValueError(f"trial_own_diffs = {self.trial_own_diffs}: must be >= 0 (0: the pooled test only)")
         for k in ("rest_beta_max", "floor_beta_max"):
