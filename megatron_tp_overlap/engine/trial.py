@@ -193,10 +193,11 @@ class SearchOptions:
     # brackets take the places right after the search's judging and right before it equally often. On real L/M steps
     # at today's defaults (2 x H200, results/2026-11-30_h200x2b/ to d/) a qkv_fprop choice was accepted in 24 of 32
     # searches, where the world had put a faster qkv_fprop in 5, and every equal world accepted a choice (16 of 16,
-    # none named by the final decision). In 7 traced equal worlds of earlier trees (GLM-4-9B- and Gemma-2-27B-like
-    # FP8), where a bracket always closed a call of looks, those brackets read qkv.fwd 0.10 +- 0.05 ms above their
-    # neighbours and the looks 0.07 +- 0.04 below. 0: a bracket closes every call. 2: every call opens with it (each
-    # trial still after a switch; 1 lets a bracket continue the one that closed the call before). For paired GPU runs
+    # none named by the final decision). In each of 7 traced equal worlds of earlier trees (GLM-4-9B- and
+    # Gemma-2-27B-like FP8), where a bracket always closed a call of looks, the looks read qkv.fwd 0.04-0.68 ms below
+    # the brackets around them (the racing's trials did not). 0: a bracket closes every call. 2: every call opens with
+    # it (each trial still after a switch; 1 lets a bracket continue the one that closed the call before). For paired
+    # GPU runs
     balance_looks: int = 0
     # > 0: a slot whose steps sit at a floor with stretches well above it (a forward whose GPU waits on the host in
     # stretches) counts each step at most its floor x (1 + floor_cap): in the racing and the looks the reference's
