@@ -576,7 +576,15 @@ def test_trial_precedent_sets_trials_after_the_searchs_work_against_those_after_
         "proj.fwd": [3],
     }  # a search's --trace rows, over its miss_trace's
     (trace,) = tp.per_trace([{"seed": 3, "miss_trace": {"qkv.fwd": rows, "fc1.bwd": rows}}])
-    assert trace.startswith("seed 3 qkv.fwd: looks less brackets +0.164 +- ")  # 6 of 11 looks 0.3 ms slower
+    assert trace.startswith("seed 3 (defaults) qkv.fwd: looks less brackets +0.164 +- ")  # 6 of 11 looks 0.3 ms slower
+    assert "closing" not in trace  # no bracket opened a call
+    # balance_looks=1: calls alternate [look, bracket] and [bracket, look], each opened after 5 ms of the search's
+    # work; the looks (1.3 and 1.0 ms) against the closing brackets (1.0) and the opening ones (1.2)
+    calls = [("recheck", 1.3, 5.0), ("bracket", 1.0, 0.1), ("bracket", 1.2, 5.0), ("recheck", 1.0, 0.1)] * 3
+    rows2 = [row(p, i, ms, gap) for i, (p, ms, gap) in enumerate(calls)]
+    (trace,) = tp.per_trace([{"seed": 4, "variant": "balance_looks=1", "trace": {"qkv.fwd": rows2}}])
+    assert trace.startswith("seed 4 (balance_looks=1) qkv.fwd: looks less brackets +0.050 +- ")
+    assert "less the closing ones +0.150 +- " in trace and "less the opening ones -0.050 +- " in trace
     lines = tp.table([{"miss_trace": {"qkv.fwd": rows, "fc1.bwd": rows}}], 4, 2.0)
     assert (
         lines[2].startswith("| backward | looks (8 steps) | trial | 5 | ")

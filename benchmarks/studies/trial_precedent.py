@@ -228,17 +228,35 @@ def step_profile(runs: list[dict], bracket_every: int, work_ms: float) -> list[s
     ]
 
 
-def per_trace(runs: list[dict]) -> list[str]:
-    """Per forward slot trace: its 8-step looks' mean level less its 8-step brackets' (ms, +- se)."""
+def _less(a: list[float], b: list[float]) -> str:
+    """Mean of ``a`` less mean of ``b`` (ms), +- its standard error."""
+    se = math.sqrt(statistics.variance(a) / len(a) + statistics.variance(b) / len(b))
+    return f"{statistics.fmean(a) - statistics.fmean(b):+.3f} +- {se:.3f} ms"
+
+
+def per_trace(runs: list[dict], work_ms: float = 2.0) -> list[str]:
+    """Per forward slot trace (with the search's variant): its 8-step looks' mean level less its 8-step brackets'
+    (ms, +- se); where the trace has gaps and some brackets opened a call (``SearchOptions.balance_looks``), also
+    less those that closed one (the next trial followed the search's work) and less those that opened one."""
     out = []
     for r in runs:
         for slot, rows in traces(r).items():
-            looks = [x[2] - x[3] for x in rows if x[0] == "recheck" and len(x) > 5 and len(x[5]) == 8]
-            brackets = [x[2] - x[3] for x in rows if x[0] == "bracket" and len(x) > 5 and len(x[5]) == 8]
-            if slot.endswith("fwd") and len(looks) >= 4 and len(brackets) >= 4:
-                d = statistics.fmean(looks) - statistics.fmean(brackets)
-                se = math.sqrt(statistics.variance(looks) / len(looks) + statistics.variance(brackets) / len(brackets))
-                out.append(f"seed {r.get('seed')} {slot}: looks less brackets {d:+.3f} +- {se:.3f} ms")
+            rows = sorted(rows, key=lambda x: x[1])
+            nxt = [y[7] if len(y) > 7 else None for y in rows[1:]] + [work_ms]  # the gap after each trial
+            eight = [(x, g) for x, g in zip(rows, nxt) if len(x) > 5 and len(x[5]) == 8]
+            looks = [x[2] - x[3] for x, _ in eight if x[0] == "recheck"]
+            brackets = [x[2] - x[3] for x, _ in eight if x[0] == "bracket"]
+            if not (slot.endswith("fwd") and len(looks) >= 4 and len(brackets) >= 4):
+                continue
+            line = f"seed {r.get('seed')} ({options_changed(r)}) {slot}: looks less brackets {_less(looks, brackets)}"
+            gapped = [(x, g) for x, g in eight if x[0] == "bracket" and len(x) > 7 and g is not None]
+            opening = [x[2] - x[3] for x, _ in gapped if x[7] >= work_ms]
+            closing = [x[2] - x[3] for x, g in gapped if g >= work_ms and x[7] < work_ms]
+            if len(opening) >= 2 and len(closing) >= 2:
+                line += (
+                    f"; less the closing ones {_less(looks, closing)}, less the opening ones {_less(looks, opening)}"
+                )
+            out.append(line)
     return out
 
 
@@ -288,7 +306,7 @@ def main(argv: list[str] | None = None) -> None:
                 )
             )
     print("\n".join(step_profile(runs, SearchOptions.bracket_every, a.work_ms)))
-    print("\n".join(per_trace(runs)))
+    print("\n".join(per_trace(runs, a.work_ms)))
     print("\n".join(decision_blocks(runs)))
     for f in {r["file"] for r in runs}:  # and the runs of search_on_real_steps.py --precedent
         if pairs := json.loads(Path(f).read_text()).get("precedent"):
