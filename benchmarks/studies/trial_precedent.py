@@ -37,6 +37,7 @@ from real_steps_bar import load_or_say, options_changed  # the study's own (this
 
 from megatron_tp_overlap.engine.search import SearchOptions
 
+WORK_MS = 2.0  # a gap this long or longer (ms) follows the search's work
 PHASES = {("halving", 4): "racing (4 steps)", ("recheck", 8): "looks (8 steps)"}
 
 
@@ -234,7 +235,7 @@ def _less(a: list[float], b: list[float]) -> str:
     return f"{statistics.fmean(a) - statistics.fmean(b):+.3f} +- {se:.3f} ms"
 
 
-def per_trace(runs: list[dict], work_ms: float = 2.0) -> list[str]:
+def per_trace(runs: list[dict], work_ms: float = WORK_MS) -> list[str]:
     """Per forward slot trace (with the search's variant): its 8-step looks' mean level less its 8-step brackets'
     (ms, +- se); where the trace has gaps and some brackets opened a call (``SearchOptions.balance_looks``), also
     less those that closed one (the next trial followed the search's work) and less those that opened one."""
@@ -289,7 +290,7 @@ def decision_blocks(runs: list[dict]) -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("paths", nargs="+", help="search_on_real_steps.json files or folders holding them")
-    p.add_argument("--work-ms", type=float, default=2.0, help="a gap this long or longer follows the search's work")
+    p.add_argument("--work-ms", type=float, default=WORK_MS, help="a gap this long or longer follows the search's work")
     a = p.parse_args(argv)
     runs = load_or_say(a.paths)
     print("\n".join(table(runs, SearchOptions.bracket_every, a.work_ms)))

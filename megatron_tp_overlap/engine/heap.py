@@ -29,3 +29,17 @@ def frozen() -> Iterator[None]:
     finally:
         if ours_alone:
             gc.unfreeze()
+
+
+@contextlib.contextmanager
+def thawed() -> Iterator[None]:
+    """Inside the block the referrer walks see the objects that ``gc.freeze`` set aside too; they are frozen again
+    afterwards, with the objects made since (garbage among them waits for the next unfreeze)."""
+    if not gc.get_freeze_count():
+        yield
+        return
+    gc.unfreeze()
+    try:
+        yield
+    finally:
+        gc.freeze()

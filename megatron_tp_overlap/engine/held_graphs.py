@@ -16,13 +16,14 @@ config's communicators and flags fixed at its forward. :class:`PendingBackwards`
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import torch
+
+from megatron_tp_overlap.engine.heap import thawed
 
 _FREED = "already been freed"  # autograd's message for saved tensors that a backward released
 
@@ -69,20 +70,6 @@ def release_from_contexts(communicators: Iterable[Any], frozen: bool = False) ->
                     attrs[key] = None
                     dropped.append(f"{type(owner).__name__}.{key}")
     return dropped
-
-
-@contextlib.contextmanager
-def thawed() -> Iterator[None]:
-    """Inside the block the referrer walks see the objects that ``gc.freeze`` set aside too; they are frozen again
-    afterwards, with the objects made since (garbage among them waits for the next unfreeze, engine/heap.py)."""
-    if not gc.get_freeze_count():
-        yield
-        return
-    gc.unfreeze()
-    try:
-        yield
-    finally:
-        gc.freeze()
 
 
 def holder_name(referrer: Any) -> str:

@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-from megatron_tp_overlap.engine.held_graphs import PendingBackwards, holder_name, release_from_contexts, thawed
+from megatron_tp_overlap.engine.heap import thawed
+from megatron_tp_overlap.engine.held_graphs import PendingBackwards, holder_name, release_from_contexts
 from megatron_tp_overlap.engine.space import TuningConfig
 from megatron_tp_overlap.engine.topology import OverlapModule
 from megatron_tp_overlap.errors import StaleCommunicatorError
