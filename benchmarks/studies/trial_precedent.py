@@ -109,6 +109,7 @@ def record(real, rounds: int, work_ms: float, steps: int = 8, works: dict[str, W
                 m = real(ref, steps, 1 if w.switch else 0)
                 pair.append({s: statistics.median(v) for s, v in m.slot_ms.items() if v})
             out.append({"kind": kind, "after_work": pair[0], "after_trial": pair[1]})
+            print(f"[precedent] {json.dumps(out[-1])}", flush=True)  # a call cut short keeps its pairs in the log
     return out
 
 
