@@ -85,3 +85,24 @@ def test_decision_blocks_sets_the_first_reference_block_of_each_quadruple_agains
         judged
         == f"final decision, quadruples 7+ (after judging): first less last reference block {spreads} +- 0.000 spreads (n=4)"
     )
+
+
+def test_call_order_sets_a_calls_second_trial_against_its_first_by_length():
+    """Rows as the trace keeps them (phase, position, median ms, delay put in, delays, steps, step ms, gap ms): two
+    8-step calls whose second trial reads 0.4 and 0.6 ms slower, a delay of 0.3 ms taken out of a look; one 4-step call
+    pair (too few for a line of its own); a trial after work with no second one counts nothing."""
+    row = lambda phase, pos, ms, delay, n, gap: [phase, pos, ms, delay, [], [ms] * n, [50.0] * n, gap]  # noqa: E731
+    rows = [
+        row("recheck", 0, 2.0, 0.0, 8, 10.0),
+        row("bracket", 9, 2.7, 0.3, 8, 0.1),  # level 2.4: +0.4
+        row("recheck", 18, 2.1, 0.0, 8, 12.0),
+        row("bracket", 27, 3.0, 0.3, 8, 0.1),  # level 2.7: +0.6
+        row("halving", 36, 2.0, 0.0, 4, 5.0),
+        row("halving", 41, 2.5, 0.0, 4, 1.0),  # 4 steps: one pair only
+        row("recheck", 46, 2.0, 0.0, 8, 9.0),  # after work, then the search's work again
+        row("recheck", 55, 5.0, 0.0, 8, 9.0),
+    ]
+    run = {"seed": 7, "trace": {"proj.fwd": rows, "proj.bwd": rows}}
+    assert tp.call_order([run]) == [
+        "seed 7 (defaults) proj.fwd: second trial less first, 8-step calls +0.500 +- 0.100 ms (n=2)"
+    ]

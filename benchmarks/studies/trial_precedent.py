@@ -262,6 +262,31 @@ def per_trace(runs: list[dict], work_ms: float = WORK_MS) -> list[str]:
     return out
 
 
+def call_order(runs: list[dict], work_ms: float = WORK_MS) -> list[str]:
+    """Per forward slot trace (with the search's variant): the second trial of a call less its first (ms, mean +- se),
+    by trial length (8 steps: the looks' calls; 4: the racing's), look, option or bracket alike. The first follows
+    the search's work (a gap of ``work_ms`` or more), the second follows it at once. On 2 x H200 the looks' second
+    trials read a host-bound ``proj.fwd`` 0.30-0.52 ms slower (results/2026-11-30_h200x2e/)."""
+    out = []
+    for r in runs:
+        for slot, rows in traces(r).items():
+            rows = sorted((x for x in rows if len(x) > 7), key=lambda x: x[1])
+            pairs: dict[int, list[float]] = defaultdict(list)
+            for a, b in zip(rows, rows[1:]):
+                if a[7] >= work_ms > b[7] and len(a[5]) == len(b[5]) in (4, 8):
+                    pairs[len(a[5])].append((b[2] - b[3]) - (a[2] - a[3]))
+            got = [
+                f"{n}-step calls {statistics.fmean(v):+.3f} +- {statistics.stdev(v) / math.sqrt(len(v)):.3f} ms (n={len(v)})"
+                for n, v in sorted(pairs.items(), reverse=True)
+                if len(v) > 1
+            ]
+            if slot.endswith("fwd") and got:
+                out.append(
+                    f"seed {r.get('seed')} ({options_changed(r)}) {slot}: second trial less first, " + "; ".join(got)
+                )
+    return out
+
+
 def decision_blocks(runs: list[dict]) -> list[str]:
     """The final decision (``confirm_blocks`` of its first two configs, quadruples A B B A): per quadruple, its first
     reference block less its last, in units of the reference blocks' spread. From the 7th quadruple on the first
@@ -308,6 +333,7 @@ def main(argv: list[str] | None = None) -> None:
                 )
             )
     print("\n".join(step_profile(runs, SearchOptions.bracket_every, a.work_ms)))
+    print("\n".join(call_order(runs, a.work_ms)))
     print("\n".join(per_trace(runs, a.work_ms)))
     print("\n".join(decision_blocks(runs)))
     for f in {r["file"] for r in runs}:  # and the runs of search_on_real_steps.py --precedent
