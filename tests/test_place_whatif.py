@@ -23,7 +23,7 @@ def _trial(run: sim.SimulatedRun, steps: int) -> dict[str, list[float]]:
 
 def test_only_the_first_long_trial_after_a_call_of_looks_reads_the_slot_fast_and_all_is_put_back():
     world = sim.make_world(sim.build_space(sim.TOPO, sim.CTX, [UbConfig()]), 0.0, random.Random(0))
-    plain, placed = sim.SimulatedRun(world, "iid", random.Random(1)), None
+    plain = sim.SimulatedRun(world, "iid", random.Random(1))
     want = [_trial(plain, 8), _trial(plain, 8), _trial(plain, 4), _trial(plain, 8)]
     with pw.placed({"proj.fwd": 0.2}):
         placed = sim.SimulatedRun(world, "iid", random.Random(1))
@@ -48,8 +48,11 @@ def test_on_the_simulator_the_effect_brings_equal_choices_and_the_settle_trial_t
 
 
 def test_a_bad_place_is_one_line_and_exit_2(capsys):
-    for bad in (["--place", "attn.fwd=0.1"], ["--place", "proj.fwd=1.5"], ["--place", "proj.fwd=x"]):
+    for bad, says in (
+        ("attn.fwd=0.1", "--place attn.fwd: not a slot"),
+        ("proj.fwd=1.5", "--place proj.fwd=1.5: the share must be at least 0 and under 1"),
+        ("proj.fwd=x", "proj.fwd=x: expected SLOT=X (numbers)"),
+    ):
         with pytest.raises(SystemExit) as e:
-            pw.main(bad)
-        assert e.value.code == 2
-        assert len(capsys.readouterr().err.strip().splitlines()[-1]) > 0
+            pw.main(["--place", bad])
+        assert e.value.code == 2 and says in capsys.readouterr().err.strip().splitlines()[-1]

@@ -8,9 +8,10 @@ judging, read a host-bound ``proj.fwd`` 0.30-0.52 ms (12-18%) faster than the tr
 every equal world brought a choice to the final decision, and one FP8 gain was lost to an equal choice accepted so.
 decision_sim has no such effect. Here each call of looks (``Looks._looks_of``) marks the run, and the first trial of
 8 steps or more that follows reads each ``--place`` slot that share of its level faster (the step by the same ms);
-the marked trial is the call's first look, its opening bracket (``balance_looks`` 1 and 2) or its settle trial (3).
-Per variant, over the table's gain and equal worlds of ``--seeds``: realized mean and worst, the seeds under 80%,
-false winners, and the searches that accepted a choice not truly faster (the final decision's to catch). A malformed value ends the run with one line and exit status 2.
+the marked trial is the call's first look, its opening bracket (``balance_looks`` 1 and 2) or its settle trial (3; at
+4 the settle trial of one step ends the mark unmoved). Per variant, over the table's gain and equal worlds of
+``--seeds``: realized mean and worst, the seeds under 80%, false winners, and the searches that accepted a choice not
+truly faster (the final decision's to catch). A malformed value ends the run with one line and exit status 2.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import statistics
 from contextlib import contextmanager
 
 from noise_streams import parse_seeds  # the studies' own (this folder is on sys.path)
+from noise_whatif import _pairs
 from search_on_real_steps import parse_variant
 
 from megatron_tp_overlap.engine.looks import Looks
@@ -76,7 +78,7 @@ def summary(scenario: str, seeds: list[int], options: SearchOptions) -> dict:
     return {
         "realized_mean": round(statistics.mean(real), 4),
         "realized_min": round(min(real), 4),
-        "below_80": sorted((round(o.realized, 3), s) for s, o in zip(seeds, gains) if o.realized < 0.8),
+        "below_80": sorted((round(o.realized, 3), s) for s, o in zip(seeds, gains) if o.realized < sim.LISTED_BELOW),
         "false_winners": [s for s, o in zip(seeds, equal) if o.false_winner],
         "equal_with_choice": sum(any(c.get("accepted") for c in o.choices.values()) for o in equal),
         "stray_choice_searches": sum(stray),
@@ -93,14 +95,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--variants", nargs="+", default=[""], metavar="KEY=VALUE[,...]", help="search options per variant")
     a = p.parse_args(argv)
     try:  # bad input: one line, exit 2 (argparse's own)
-        place = {}
-        for it in a.place:
-            slot, _, rel = it.partition("=")
-            if slot not in sim.SLOTS:
-                raise ValueError(f"{it}: {slot or '(none)'} is not a slot ({', '.join(sim.SLOTS)})")
-            place[slot] = float(rel)
-            if not 0 <= place[slot] < 1:
-                raise ValueError(f"{it}: the share must be at least 0 and under 1")
+        place = {s: rel for s, (rel,) in _pairs(a.place, 1).items()}  # noise_whatif's SLOT=X items
+        for s, rel in place.items():
+            if s not in sim.SLOTS:
+                raise ValueError(f"--place {s}: not a slot ({', '.join(sim.SLOTS)})")
+            if not 0 <= rel < 1:
+                raise ValueError(f"--place {s}={rel:g}: the share must be at least 0 and under 1")
         variants = {v or "defaults": SearchOptions(**parse_variant(v)) for v in a.variants}
         seeds = parse_seeds(a.seeds)
     except ValueError as e:

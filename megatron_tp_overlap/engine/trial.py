@@ -197,7 +197,7 @@ class SearchOptions:
     # Gemma-2-27B-like FP8), where a bracket always closed a call of looks, the looks read qkv.fwd 0.04-0.68 ms below
     # the brackets around them (the racing's trials did not). 0: a bracket closes every call. 2: every call opens with
     # it (each trial still after a switch; 1 lets a bracket continue the one that closed the call before). 3 (4): every
-    # call opens with a trial (of 1 step) nothing counts (a call's first trial read proj.fwd fast on 2 x H200). For GPU
+    # call opens with a trial (of 1 step) nothing counts (a call's first trial read proj.fwd fast on 2 x H200). Off.
     balance_looks: int = 0
     # > 0: a slot whose steps sit at a floor with stretches well above it (a forward whose GPU waits on the host in
     # stretches) counts each step at most its floor x (1 + floor_cap): in the racing and the looks the reference's
