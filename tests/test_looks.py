@@ -376,8 +376,8 @@ def test_balanced_looks_open_every_other_call_with_the_incumbents_bracket():
     call opens with it, each trial still after a switch); by default every call closes with its bracket, as before."""
     looks = [object(), object()]
     default, balanced, leading = _LookCalls(), _LookCalls(balance_looks=1), _LookCalls(balance_looks=2)
-    settled, short = _LookCalls(balance_looks=3), _LookCalls(balance_looks=4)
-    for s in (default, balanced, leading, settled, short):
+    settled, short, both = _LookCalls(balance_looks=3), _LookCalls(balance_looks=4), _LookCalls(balance_looks=5)
+    for s in (default, balanced, leading, settled, short, both):
         for _ in range(3):
             assert s._looks_of("incumbent", looks, {}, Work) == 0
     assert default.calls == [("recheck", 8, 2, "closed")] * 3
@@ -391,23 +391,27 @@ def test_balanced_looks_open_every_other_call_with_the_incumbents_bracket():
     # 3: a trial nothing counts opens every call (a call's first trial read proj.fwd fast on 2 x H200), then as at 0
     assert settled.calls == [("settle", 8), ("recheck", 8, 2, "closed")] * 3
     assert short.calls == [("settle", 1), ("recheck", 8, 2, "closed")] * 3  # 4: a settle trial of one step
-    with pytest.raises(ValueError, match="balance_looks = 5: must be 0, 1, 2, 3 or 4"):
-        SearchOptions(balance_looks=5)
+    # 5: a bracket opens and closes every call (a call's last trial read proj.fwd slow, whatever opened it)
+    assert both.calls == [("bracket", 8), ("recheck", 8, 2, "closed")] * 3
+    with pytest.raises(ValueError, match="balance_looks = 6: must be 0, 1, 2, 3, 4 or 5"):
+        SearchOptions(balance_looks=6)
 
 
 def test_a_balanced_search_opens_calls_with_a_bracket_and_decides_within_the_budget():
     """The whole search with ``balance_looks`` on decision_sim jitter seed 43 on the slow clock: it takes the gain in
     full within the budget. In its looks a bracket now follows a bracket (the closing one of a call, then the one that
     opens the next), which the default never does; with 2 every call, the first too, opens with its bracket."""
-    for balance in (0, 1, 2, 3, 4):
+    for balance in (0, 1, 2, 3, 4, 5):
         options = SearchOptions(balance_looks=balance)
         out = search(options, scenario="jitter", seed=43)
         trials = [t for t in out.searcher.trials if len(t.step_samples) == options.recheck_steps]
         looked = [t.phase for t in trials if t.phase in ("recheck", "bracket")]
         doubled = sum(a == b == "bracket" for a, b in zip(looked, looked[1:]))
-        assert (doubled > 0) == (balance == 1), looked
-        assert looked[0] == ("bracket" if balance == 2 else "recheck"), looked  # 2: the first call opens with it too
+        assert (doubled > 0) == (balance in (1, 5)), looked
+        assert looked[0] == ("bracket" if balance in (2, 5) else "recheck"), (
+            looked
+        )  # 2, 5: the first call opens with it
         settles = [i for i, t in enumerate(out.searcher.trials) if t.phase == "settle"]
-        assert bool(settles) == (balance >= 3)  # 3, 4: each right before a look, and counted in no comparison
+        assert bool(settles) == (balance in (3, 4))  # each right before a look, and counted in no comparison
         assert all(out.searcher.trials[i + 1].phase == "recheck" for i in settles)
         assert out.outcome.realized == 1.0 and out.outcome.seconds <= options.max_seconds

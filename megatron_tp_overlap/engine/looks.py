@@ -39,17 +39,22 @@ class Looks:
         closing with it (a slot that reads apart right after the search's judging, or right before it, then moves
         the looks and their brackets alike), with 2 every call does. With 3 every call opens with a trial of the
         incumbent that nothing counts (phase ``settle``; 4: of one step): a call's first trial, right after the
-        judging, read a host-bound forward 0.3-0.5 ms fast on 2 x H200 (results/2026-11-30_h200x2e/)."""
+        judging, read a host-bound forward 0.3-0.5 ms fast on 2 x H200 (results/2026-11-30_h200x2e/). With 5 every
+        call opens and closes with a bracket, so that each look's incumbent level lies between one at the call's start
+        and one at its end (real steps: a call's last trial read proj.fwd slow, whatever ran first: results/
+        2026-11-30_h200x2f/)."""
         o = self.opt
         self.look_calls += 1
-        lead = bool(options) and (o.balance_looks == 2 or o.balance_looks == 1 and self.look_calls % 2 == 0)
-        if lead or options and o.balance_looks >= 3:
+        alternate = o.balance_looks == 1 and self.look_calls % 2 == 0
+        lead = bool(options) and (o.balance_looks in (2, 5) or alternate)
+        if lead or options and o.balance_looks in (3, 4):
             # after this trial, the first look and the two brackets _measure_options keeps for it
             steps = 1 if o.balance_looks == 4 else o.recheck_steps
             if not self._can_afford(steps, reserve() + Work(3 * (o.recheck_steps + o.warmup_steps), 3)):
                 return len(options)
             self._run("bracket" if lead else "settle", incumbent, {"*": "incumbent"}, steps)
-        return self._measure_options("recheck", incumbent, options, o.recheck_steps, raw, reserve, close=not lead)
+        close = not lead or o.balance_looks == 5
+        return self._measure_options("recheck", incumbent, options, o.recheck_steps, raw, reserve, close=close)
 
     def _look(
         self,

@@ -197,7 +197,9 @@ class SearchOptions:
     # Gemma-2-27B-like FP8), where a bracket always closed a call of looks, the looks read qkv.fwd 0.04-0.68 ms below
     # the brackets around them (the racing's trials did not). 0: a bracket closes every call. 2: every call opens with
     # it (each trial still after a switch; 1 lets a bracket continue the one that closed the call before). 3 (4): every
-    # call opens with a trial (of 1 step) nothing counts (a call's first trial read proj.fwd fast on 2 x H200). Off.
+    # call opens with a trial (of 1 step) nothing counts (a call's first trial read proj.fwd fast on 2 x H200). 5: every
+    # call opens and closes with a bracket (settle trials did not stop the stray choices: results/2026-11-30_h200x2f/).
+    # Off.
     balance_looks: int = 0
     # > 0: a slot whose steps sit at a floor with stretches well above it (a forward whose GPU waits on the host in
     # stretches) counts each step at most its floor x (1 + floor_cap): in the racing and the looks the reference's
@@ -287,8 +289,8 @@ class SearchOptions:
         ):
             if getattr(self, k) not in (0, 1):
                 raise ValueError(f"{k} = {getattr(self, k)}: must be 0 or 1")
-        if self.balance_looks not in range(5):
-            raise ValueError(f"balance_looks = {self.balance_looks}: must be 0, 1, 2, 3 or 4")
+        if self.balance_looks not in range(6):
+            raise ValueError(f"balance_looks = {self.balance_looks}: must be 0, 1, 2, 3, 4 or 5")
         if self.trial_own_diffs < 0:
             raise ValueError(f"trial_own_diffs = {self.trial_own_diffs}: must be >= 0 (0: the pooled test only)")
         for k in ("rest_beta_max", "floor_beta_max"):
