@@ -11,7 +11,8 @@ winner, the median search within the budget. Then, for each seed that left a gai
 (``miss_trace``), what each look at the slots of that gain measured against the delay taken out. Where the results
 carry ``slot_visibility`` (since the thirty-second session), it also prints each dtype's gains scored on what the slots
 show of a delay (:func:`realized_as_shown`), and where a delay left was measured at its size (``miss_shown``, since the
-thirty-fourth session) what it showed.
+thirty-fourth session) what it showed; and per slot, the first fresh look at each leader the world gave no faster
+option, in standard errors of one look (:func:`first_look_lines`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import statistics
 import sys
 from collections import Counter
@@ -194,6 +196,37 @@ def unfounded_lines(runs: list[dict]) -> list[str]:
     return out
 
 
+def first_look_z(choice: dict, opt: SearchOptions | None = None) -> float | None:
+    """A leader's first fresh look in standard errors of one look: ``per_look_ms[0] / (noise_ms / z * sqrt(looks))``,
+    with ``z`` (and ``late_z`` from the fourth look) as the looks' threshold has it. Where a gain worth a switch set
+    the threshold, the standard error is overstated and the figure understated. None without looks."""
+    looks, thr, opt = choice.get("per_look_ms") or [], choice.get("noise_ms"), opt or SearchOptions()
+    if not looks or not thr or not math.isfinite(thr):
+        return None
+    z = opt.z + (opt.late_z if len(looks) > 3 else 0.0)
+    return looks[0] / (thr / z * math.sqrt(len(looks)))
+
+
+def first_look_lines(runs: list[dict], beyond: float = 2.5) -> list[str]:
+    """Per dtype, variant and slot: the first fresh look of each leader whose GEMM the world put no faster option in
+    (truly no gain), in standard errors of one look (:func:`first_look_z`): count, mean, and how many beyond +-
+    ``beyond`` (0.6% each way if the looks' standard errors were right). On real L/M FP8 steps at the defaults
+    (2 x H200, results/2026-11-30_h200x2b/ to 2f/) the forwards' read apart, and apart from each other: ``proj.fwd``
+    +1.29 on average, 9 of 26 above +2.5; ``qkv.fwd`` +0.91, 6 of 25; ``fc1.fwd`` -1.68, 8 of 23 below -2.5; the
+    backwards' not (means +0.05 to +0.31, 1 of 150 beyond)."""
+    cells: dict[tuple[str, str, str], list[float]] = {}
+    for r in runs:
+        fast = {w.split(":")[0] for w in r.get("world_fast") or []}
+        for gemm, c in (r.get("choices") or {}).items():
+            if gemm not in fast and (z := first_look_z(c)) is not None:
+                cells.setdefault((r["dtype"], options_changed(r), c.get("slot", gemm)), []).append(z)
+    return [
+        f"{d}, {v}, {slot}: {len(zs)} first looks, mean {statistics.mean(zs):+.2f}, "
+        f"{sum(z > beyond for z in zs)} above +{beyond:g}, {sum(z < -beyond for z in zs)} below -{beyond:g}"
+        for (d, v, slot), zs in sorted(cells.items())
+    ]
+
+
 def miss_lines(runs: list[dict]) -> list[str]:
     """Per seed that left a gain (its ``miss_trace``), per slot: each trial of a config with less delay put in than the
     incumbent's, as the slot's measured change (ms, against the incumbent's trial nearest in position) beside the
@@ -255,6 +288,9 @@ def main(argv: list[str] | None = None) -> int:
         "\nchoices accepted where the world put no faster option in the GEMM (searches; the final decision's to catch):"
     )
     print("\n".join(unfounded_lines(runs)))
+    if lines := first_look_lines(runs):
+        print("\nfirst fresh looks at leaders the world gave no faster option, in standard errors of one look:")
+        print("\n".join(lines))
     if lines := shown_lines(runs):
         print("\n" + "\n".join(lines))
     if lines := miss_shown_lines(runs):
