@@ -597,6 +597,16 @@ def test_trial_precedent_sets_trials_after_the_searchs_work_against_those_after_
     (trace,) = tp.per_trace([{"seed": 4, "variant": "balance_looks=1", "trace": {"qkv.fwd": rows2}}])
     assert trace.startswith("seed 4 (balance_looks=1) qkv.fwd: looks less brackets +0.050 +- ")
     assert "less the closing ones +0.150 +- " in trace and "less the opening ones -0.050 +- " in trace
+    # the wait for the host moves between forward slots: looks read qkv.fwd 0.3 ms slow and fc1.fwd 0.3 ms fast, and
+    # their sum (per step, the delays put in summed) reads nothing; traces not trial for trial are not summed
+    fc1 = [row(p, i, ms, gap) for i, (p, ms, gap) in enumerate((p, 2.0 - ms, gap) for p, ms, gap in calls)]
+    summed = tp.with_forward_sum({"qkv.fwd": rows2, "fc1.fwd": fc1, "fc1.bwd": rows})
+    assert summed["fc1+qkv.fwd"][0] == ["recheck", 0, pytest.approx(2.0), 0.2, [0.1], [pytest.approx(2.0)] * 8,
+                                        [20.0] * 8, 5.0]  # fmt: skip
+    assert tp.with_forward_sum({"qkv.fwd": rows2, "fc1.fwd": fc1[1:]}).keys() == {"qkv.fwd", "fc1.fwd"}
+    lines = tp.per_trace([{"seed": 5, "variant": "balance_looks=1", "trace": {"qkv.fwd": rows2, "fc1.fwd": fc1}}])
+    assert [x.split(":")[0] for x in lines] == [f"seed 5 (balance_looks=1) {s}.fwd" for s in ("qkv", "fc1", "fc1+qkv")]
+    assert "fc1+qkv.fwd: looks less brackets +0.000 +- 0.000 ms" in lines[2]
     lines = tp.table([{"miss_trace": {"qkv.fwd": rows, "fc1.bwd": rows}}], 4, 2.0)
     assert (
         lines[2].startswith("| backward | looks (8 steps) | trial | 5 | ")

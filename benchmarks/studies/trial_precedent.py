@@ -153,6 +153,25 @@ def traces(run: dict) -> dict[str, list[list]]:
     return {**(run.get("miss_trace") or {}), **(run.get("trace") or {})}
 
 
+def with_forward_sum(traced: dict[str, list[list]]) -> dict[str, list[list]]:
+    """``traced`` and, where two or more forward slots were traced trial for trial (the same phases at the same
+    positions), their sum as one more trace named by them (``qkv+proj.fwd``): per trial the median of the per-step
+    sums, the delays put in summed. In host-bound forwards the wait for the host moves between the forward slots
+    (results/2026-11-30_h200x2f/: first looks at equal leaders read ``proj.fwd`` fast and ``fc1.fwd`` slow); what a
+    forward option truly changes shows in their sum as well."""
+    fwd = sorted(s for s in traced if s.endswith(".fwd") and "+" not in s)
+    rows = [traced[s] for s in fwd]
+    if len(fwd) < 2 or any(len(r) != len(rows[0]) or [x[:2] for x in r] != [x[:2] for x in rows[0]] for r in rows):
+        return traced
+    summed = []
+    for trial in zip(*rows):
+        steps = [sum(v) for v in zip(*(x[5] for x in trial))]
+        first = trial[0]
+        summed.append([first[0], first[1], statistics.median(steps), sum(x[3] for x in trial), *first[4:5], steps,
+                       *first[6:]])  # fmt: skip
+    return {**traced, "+".join(s.removesuffix(".fwd") for s in fwd) + ".fwd": summed}
+
+
 def precedents(rows: list[list], bracket_every: int, work_ms: float) -> list[str]:
     """Per row of one slot's trace, in the order the trials ran: "work" or "trial" (what ran right before it)."""
     out, since, closing = [], 0, False
@@ -237,12 +256,12 @@ def _less(a: list[float], b: list[float]) -> str:
 
 
 def per_trace(runs: list[dict], work_ms: float = WORK_MS) -> list[str]:
-    """Per forward slot trace (with the search's variant): its 8-step looks' mean level less its 8-step brackets'
-    (ms, +- se); where the trace has gaps and some brackets opened a call (``SearchOptions.balance_looks``), also
+    """Per forward slot trace, and their sum (:func:`with_forward_sum`), with the search's variant: its 8-step looks'
+    mean level less its 8-step brackets' (ms, +- se); where the trace has gaps and some brackets opened a call (``SearchOptions.balance_looks``), also
     less those that closed one (the next trial followed the search's work) and less those that opened one."""
     out = []
     for r in runs:
-        for slot, rows in traces(r).items():
+        for slot, rows in with_forward_sum(traces(r)).items():
             rows = sorted(rows, key=lambda x: x[1])
             nxt = [y[7] if len(y) > 7 else None for y in rows[1:]] + [work_ms]  # the gap after each trial
             eight = [(x, g) for x, g in zip(rows, nxt) if len(x) > 5 and len(x[5]) == 8]
@@ -269,7 +288,7 @@ def call_order(runs: list[dict], work_ms: float = WORK_MS) -> list[str]:
     trials read a host-bound ``proj.fwd`` 0.30-0.52 ms slower (results/2026-11-30_h200x2e/)."""
     out = []
     for r in runs:
-        for slot, rows in traces(r).items():
+        for slot, rows in with_forward_sum(traces(r)).items():
             rows = sorted((x for x in rows if len(x) > 7), key=lambda x: x[1])
             pairs: dict[int, list[float]] = defaultdict(list)
             for a, b in zip(rows, rows[1:]):
