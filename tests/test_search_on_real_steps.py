@@ -314,15 +314,17 @@ def test_the_bar_over_many_results_counts_seeds_per_dtype_and_says_what_is_not_m
     assert rb.unfounded_lines(runs[2:]) == ["FP8, defaults: none"]
     # first looks in standard errors of one look: 0.5 ms at a threshold of 0.5 ms after one look is z = 2.5 (beyond
     # +2.5 only above it); after four looks the threshold holds z + late_z = 3 errors of sqrt(4) looks
-    assert rb.first_look_z({"per_look_ms": [0.5], "noise_ms": 0.5}) == pytest.approx(2.5)
-    assert rb.first_look_z({"per_look_ms": [0.3, 0, 0, 0], "noise_ms": 0.6}) == pytest.approx(0.75)
-    assert rb.first_look_z({"per_look_ms": [], "noise_ms": 0.6}) is None
-    looked = {"qkv_fprop": {"slot": "qkv.fwd", "per_look_ms": [0.6], "noise_ms": 0.5},
-              "fc1_fprop": {"slot": "fc1.fwd", "per_look_ms": [-0.6], "noise_ms": 0.5}}  # fmt: skip
+    assert rb.look_zs({"per_look_ms": [0.5], "noise_ms": 0.5}) == [pytest.approx(2.5)]
+    assert rb.look_zs({"per_look_ms": [0.3, 0, 0, -0.3], "noise_ms": 0.6}) == pytest.approx([0.75, 0, 0, -0.75])
+    assert rb.look_zs({"per_look_ms": [], "noise_ms": 0.6}) == []
+    looked = {"qkv_fprop": {"slot": "qkv.fwd", "per_look_ms": [0.6], "noise_ms": 0.5, "accepted": True},
+              "fc1_fprop": {"slot": "fc1.fwd", "per_look_ms": [-0.6, 0.1], "noise_ms": 0.5, "accepted": False}}  # fmt: skip
     runs = [{**runs[0], "choices": looked}, {**runs[1], "choices": looked}]  # run 0 put a faster fc1_fprop in
-    assert rb.first_look_lines(runs) == [
-        "FP8, defaults, fc1.fwd: 1 first looks, mean -3.00, 0 above +2.5, 1 below -2.5",
-        "FP8, defaults, qkv.fwd: 2 first looks, mean +3.00, 2 above +2.5, 0 below -2.5",
+    assert rb.look_lines(runs) == [
+        "FP8, defaults, fc1.fwd: first looks 1, mean -2.12, 0 above +2.5, 0 below -2.5; later looks 1, mean +0.35, "
+        "0 above +2.5, 0 below -2.5; accepted after one look 0, after more 0",
+        "FP8, defaults, qkv.fwd: first looks 2, mean +3.00, 2 above +2.5, 0 below -2.5; later looks none; "
+        "accepted after one look 2, after more 0",
     ]
     assert rb.main([str(tmp_path / "missing")]) == 2 and "no search_on_real_steps.json" in capsys.readouterr().err
     (tmp_path / "a.log").write_text("[suite] a: rc=0\n")  # a glob like r2/search46_* also gives the logs

@@ -11,8 +11,8 @@ winner, the median search within the budget. Then, for each seed that left a gai
 (``miss_trace``), what each look at the slots of that gain measured against the delay taken out. Where the results
 carry ``slot_visibility`` (since the thirty-second session), it also prints each dtype's gains scored on what the slots
 show of a delay (:func:`realized_as_shown`), and where a delay left was measured at its size (``miss_shown``, since the
-thirty-fourth session) what it showed; and per slot, the first fresh look at each leader the world gave no faster
-option, in standard errors of one look (:func:`first_look_lines`).
+thirty-fourth session) what it showed; and per slot, the fresh looks at each leader the world gave no faster option,
+in standard errors of one look (:func:`look_lines`).
 """
 
 from __future__ import annotations
@@ -196,35 +196,46 @@ def unfounded_lines(runs: list[dict]) -> list[str]:
     return out
 
 
-def first_look_z(choice: dict, opt: SearchOptions | None = None) -> float | None:
-    """A leader's first fresh look in standard errors of one look: ``per_look_ms[0] / (noise_ms / z * sqrt(looks))``,
+def look_zs(choice: dict, opt: SearchOptions | None = None) -> list[float]:
+    """A leader's fresh looks in standard errors of one look: ``per_look_ms[k] / (noise_ms / z * sqrt(looks))``,
     with ``z`` (and ``late_z`` from the fourth look) as the looks' threshold has it. Where a gain worth a switch set
-    the threshold, the standard error is overstated and the figure understated. None without looks."""
+    the threshold, the standard error is overstated and the figures understated. [] without looks."""
     looks, thr, opt = choice.get("per_look_ms") or [], choice.get("noise_ms"), opt or SearchOptions()
     if not looks or not thr or not math.isfinite(thr):
-        return None
+        return []
     z = opt.z + (opt.late_z if len(looks) > 3 else 0.0)
-    return looks[0] / (thr / z * math.sqrt(len(looks)))
+    return [v / (thr / z * math.sqrt(len(looks))) for v in looks]
 
 
-def first_look_lines(runs: list[dict], beyond: float = 2.5) -> list[str]:
-    """Per dtype, variant and slot: the first fresh look of each leader whose GEMM the world put no faster option in
-    (truly no gain), in standard errors of one look (:func:`first_look_z`): count, mean, and how many beyond +-
-    ``beyond`` (0.6% each way if the looks' standard errors were right). On real L/M FP8 steps at the defaults
-    (2 x H200, results/2026-11-30_h200x2b/ to 2f/) the forwards' read apart, and apart from each other: ``proj.fwd``
-    +1.29 on average, 9 of 26 above +2.5; ``qkv.fwd`` +0.91, 6 of 25; ``fc1.fwd`` -1.68, 8 of 23 below -2.5; the
-    backwards' not (means +0.05 to +0.31, 1 of 150 beyond)."""
-    cells: dict[tuple[str, str, str], list[float]] = {}
+def look_lines(runs: list[dict], beyond: float = 2.5) -> list[str]:
+    """Per dtype, variant and slot: the fresh looks at each leader whose GEMM the world put no faster option in (truly
+    no gain), in standard errors of one look (:func:`look_zs`), the first look apart from the later ones: count,
+    mean, and how many beyond +- ``beyond`` (0.6% each way if the looks' standard errors were right), and the
+    choices accepted there after one look and after more. On real L/M FP8 steps at the defaults (2 x H200,
+    results/2026-11-30_h200x2b/ to 2f/) the forwards' first looks read apart, and apart from each other:
+    ``proj.fwd`` +1.29 on average, 9 of 26 above +2.5; ``fc1.fwd`` -1.68, 8 of 23 below -2.5; the backwards' not."""
+    cells: dict[tuple[str, str, str], list[list[float]]] = {}
     for r in runs:
         fast = {w.split(":")[0] for w in r.get("world_fast") or []}
         for gemm, c in (r.get("choices") or {}).items():
-            if gemm not in fast and (z := first_look_z(c)) is not None:
-                cells.setdefault((r["dtype"], options_changed(r), c.get("slot", gemm)), []).append(z)
-    return [
-        f"{d}, {v}, {slot}: {len(zs)} first looks, mean {statistics.mean(zs):+.2f}, "
-        f"{sum(z > beyond for z in zs)} above +{beyond:g}, {sum(z < -beyond for z in zs)} below -{beyond:g}"
-        for (d, v, slot), zs in sorted(cells.items())
-    ]
+            if gemm not in fast and (zs := look_zs(c)):
+                cells.setdefault((r["dtype"], options_changed(r), c.get("slot", gemm)), []).append(zs + [c["accepted"]])
+
+    def part(zs: list[float]) -> str:
+        if not zs:
+            return "none"
+        up, down = sum(z > beyond for z in zs), sum(z < -beyond for z in zs)
+        return f"{len(zs)}, mean {statistics.mean(zs):+.2f}, {up} above +{beyond:g}, {down} below -{beyond:g}"
+
+    out = []
+    for (d, v, slot), leaders in sorted(cells.items()):
+        first, later = [x[0] for x in leaders], [z for x in leaders for z in x[1:-1]]
+        once, more = sum(x[-1] and len(x) == 2 for x in leaders), sum(x[-1] and len(x) > 2 for x in leaders)
+        out.append(
+            f"{d}, {v}, {slot}: first looks {part(first)}; later looks {part(later)}; "
+            f"accepted after one look {once}, after more {more}"
+        )
+    return out
 
 
 def miss_lines(runs: list[dict]) -> list[str]:
@@ -288,8 +299,8 @@ def main(argv: list[str] | None = None) -> int:
         "\nchoices accepted where the world put no faster option in the GEMM (searches; the final decision's to catch):"
     )
     print("\n".join(unfounded_lines(runs)))
-    if lines := first_look_lines(runs):
-        print("\nfirst fresh looks at leaders the world gave no faster option, in standard errors of one look:")
+    if lines := look_lines(runs):
+        print("\nfresh looks at leaders the world gave no faster option, in standard errors of one look:")
         print("\n".join(lines))
     if lines := shown_lines(runs):
         print("\n" + "\n".join(lines))
