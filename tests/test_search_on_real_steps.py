@@ -609,6 +609,13 @@ def test_trial_precedent_sets_trials_after_the_searchs_work_against_those_after_
     lines = tp.per_trace([{"seed": 5, "variant": "balance_looks=1", "trace": {"qkv.fwd": rows2, "fc1.fwd": fc1}}])
     assert [x.split(":")[0] for x in lines] == [f"seed 5 (balance_looks=1) {s}.fwd" for s in ("qkv", "fc1", "fc1+qkv")]
     assert "fc1+qkv.fwd: looks less brackets +0.000 +- 0.000 ms" in lines[2]
+    # by place: in calls [look, bracket] and [bracket, look] (the bracket continuing the one before, no switch), the
+    # looks 1.3 / 1.0 ms, the brackets 1.0 after a switch and 1.2 without one (less the 0.1 ms put in)
+    (line,) = tp.places([{"seed": 6, "variant": "balance_looks=1", "trace": {"qkv.fwd": rows2}}])
+    assert line == (
+        "seed 6 (balance_looks=1) qkv.fwd, 8-step trials by place: bracket 1 no switch 1.100 (3); "
+        "look 1 after a switch 1.200 (3); bracket 2 after a switch 0.900 (3); look 2 after a switch 0.900 (3)"
+    )
     lines = tp.table([{"miss_trace": {"qkv.fwd": rows, "fc1.bwd": rows}}], 4, 2.0)
     assert (
         lines[2].startswith("| backward | looks (8 steps) | trial | 5 | ")
@@ -627,6 +634,42 @@ def test_trace_takes_an_moe_models_shared_expert_slots(monkeypatch):
         raise Started
 
     monkeypatch.setattr(sys, "argv", [str(PATH), "--script", "pretrain_gpt.py", "--trace", "shared_fc1.fwd", "qkv.fwd"])
+    monkeypatch.setattr(sr.subprocess, "run", start)
+    with pytest.raises(Started):
+        sr.main()
+
+
+def test_a_simulated_switch_sleeps_or_spins_and_switch_busy_reaches_the_gpu_job(monkeypatch):
+    """``--switch-busy``: the simulated switch spins through ``--idle-s`` (a re-init's host work keeps a core busy)
+    instead of sleeping; on 2 x H200 a call of looks' second trial read a host-bound forward slow. Both after one
+    ``gc.collect()`` and a device sync; a fake clock here, no time measured."""
+    import trial_noise
+
+    torch = pytest.importorskip("torch")
+    calls, clock = [], [0.0]
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: calls.append("sync"))
+    monkeypatch.setattr(trial_noise.gc, "collect", lambda: calls.append("gc"))
+    monkeypatch.setattr(trial_noise.time, "sleep", lambda s: calls.append(("sleep", s)))
+
+    def tick() -> float:  # each read of the clock: 10 ms later
+        clock[0] += 0.01
+        return clock[0]
+
+    monkeypatch.setattr(trial_noise.time, "perf_counter", tick)
+    trial_noise.simulated_switch(0.2)
+    assert calls == ["gc", "sync", ("sleep", 0.2)]
+    calls.clear()
+    trial_noise.simulated_switch(0.2, busy=True)
+    assert calls == ["gc", "sync"] and clock[0] == pytest.approx(0.21)  # read until 0.2 s after its first read
+
+    class Started(Exception):
+        pass
+
+    def start(cmd, *a, **k):
+        assert cmd[cmd.index("--idle-s") + 1] == "0.2" and "--switch-busy" in cmd
+        raise Started
+
+    monkeypatch.setattr(sys, "argv", [str(PATH), "--script", "pretrain_gpt.py", "--switch-busy"])
     monkeypatch.setattr(sr.subprocess, "run", start)
     with pytest.raises(Started):
         sr.main()

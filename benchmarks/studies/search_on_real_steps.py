@@ -7,9 +7,10 @@ one GPU), where the true cost of every config is known because it was put there.
 but a model is a model. Here every step is a real one: Megatron's ``forward_backward_func`` on a real GPT
 (``MegatronSteps.step``, as tuning runs it), per-slot GPU times from the tuner's own ``SlotTimer``, a simulated
 switch between configs (one ``gc.collect()``, a device sync and ``--idle-s`` with the GPU idle, as a userbuffers
-re-init leaves it; the heap frozen as during tuning), and the search's default options and time budget. What is
-not real is the cost of a config: each seed draws a world as the simulator does (``decision_sim.make_world``: 1-3
-GEMMs with a truly faster option, together ``gain`` of the step; or none, ``equal``), and every qkv/proj/fc1/fc2
+re-init leaves it, the host asleep or, ``--switch-busy``, spinning; the heap frozen as during tuning), and the search's
+default options and time budget. What is not real is the cost of a config: each seed draws a world as the simulator
+does (``decision_sim.make_world``: 1-3 GEMMs with a truly faster option, together ``gain`` of the step; or none,
+``equal``), and every qkv/proj/fc1/fc2
 module's forward (its fprop) and backward (its dgrad + wgrad) is made slower by a ``torch.cuda._sleep`` of that
 GEMM's excess over its cheapest option (``World.excess_ms``, scaled from the simulator's 100 ms step to this one),
 inside the slot's events. So the noise, drift, clocks after idle gaps and host effects are those of a real run,
@@ -129,9 +130,9 @@ class Delays:
 class RealSteps:
     """``evaluate`` for the searcher on real steps; a config's cost is the world's, put in by ``Delays``."""
 
-    def __init__(self, steps, modules, topo, delays: Delays, idle_s: float, scale: float):
+    def __init__(self, steps, modules, topo, delays: Delays, idle_s: float, scale: float, busy: bool = False):
         self.steps, self.modules, self.topo, self.delays = steps, modules, topo, delays
-        self.idle_s, self.scale = idle_s, scale
+        self.idle_s, self.scale, self.busy = idle_s, scale, busy  # busy: the switch spins (``--switch-busy``)
         self.world, self.live, self.t0, self.switches = None, None, 0.0, 0
         self.gaps_ms: list[float] = []  # per call, the host ms since the last call ended: the search's own work
         self.ended = 0.0  # when the last call ended (perf_counter s)
@@ -195,7 +196,7 @@ class RealSteps:
         t = time.perf_counter()
         self.gaps_ms.append(round(1000 * (t - self.ended), 2))
         if config != self.live:
-            simulated_switch(self.idle_s)
+            simulated_switch(self.idle_s, self.busy)
             self.delays.set(self.slot_excess_ms(config))
             self.live, self.switches = config, self.switches + 1
         for _ in range(warmup):
@@ -541,6 +542,7 @@ def inner(
     repeat: int = 1,
     precedent: tuple[int, float] = (0, 0.0),
     trace: tuple[str, ...] = (),
+    switch_busy: bool = False,
 ) -> None:
     import megatron.training.training as training
     import torch
@@ -569,8 +571,9 @@ def inner(
             steps.step()
         calls = delays.count(steps.step)
         step_ms = statistics.median(gpu_ms(steps.step) for _ in range(10))
-        real = RealSteps(steps, modules, topo, delays, idle_s, step_ms / sim.STEP_MS)
+        real = RealSteps(steps, modules, topo, delays, idle_s, step_ms / sim.STEP_MS, switch_busy)
         result = {"megatron_args": argv[1:], "step_ms": step_ms, "ms_per_cycle": delays.per_cycle, "idle_s": idle_s}
+        result["switch_busy"] = switch_busy
         result["trial_microbatches"] = steps.n_mb
         result["slots"], result["slot_calls_per_step"] = topo.slots(), calls
         result["preset"], result["variants"] = preset, list(variants)
@@ -697,6 +700,9 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=40, help="searches at most (seeds alternate: gain, equal)")
     p.add_argument("--minutes", type=float, default=7.0, help="no search starts after this many minutes")
     p.add_argument("--idle-s", type=float, default=SWITCH_IDLE_S, help="host seconds per simulated switch")
+    p.add_argument(
+        "--switch-busy", action="store_true", help="the simulated switch spins through --idle-s (default: it sleeps)"
+    )
     p.add_argument("--first-seed", type=int, default=1000)
     p.add_argument(
         "--repeat", type=int, default=1, help="search each world this many times in a row (the worst world, again)"
@@ -814,6 +820,7 @@ def main() -> None:
             a.repeat,
             (a.precedent, a.precedent_work_ms),
             tuple(a.trace),
+            a.switch_busy,
         )
         return
     from megatron_autotune import FP8_ARGS, one_gpu_args, parse_model_shape
@@ -828,6 +835,7 @@ def main() -> None:
     cmd += ["--common-factor", str(a.common_factor), "--common-factor-steps", str(a.common_factor_steps)]
     cmd += ["--repeat", str(a.repeat), "--precedent", str(a.precedent), "--precedent-work-ms", str(a.precedent_work_ms)]
     cmd += ["--trace", *a.trace] if a.trace else []
+    cmd += ["--switch-busy"] if a.switch_busy else []
     variants = a.variants + [f"select_passes={n}" for n in a.select_passes]
     for v in variants:
         try:

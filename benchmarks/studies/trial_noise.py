@@ -104,14 +104,22 @@ def profile(steps, trials: int, idle_s: float) -> dict:
 SWITCH_IDLE_S = 0.2  # a re-init's host seconds at TP=2 after the heap freeze (~0.2): the one-GPU benchmarks' default
 
 
-def simulated_switch(idle_s: float) -> None:
+def simulated_switch(idle_s: float, busy: bool = False) -> None:
     """What a userbuffers switch does besides the re-init (one ``gc.collect()``, a device sync), and the re-init's
-    ``idle_s`` seconds of host work with the GPU idle: the switch of the one-GPU benchmarks (TP=1, no userbuffers)."""
+    ``idle_s`` seconds with the GPU idle: the switch of the one-GPU benchmarks (TP=1, no userbuffers). The host sleeps
+    through them, or with ``busy`` spins, as a re-init's host work keeps a core busy (on 2 x H200 a host-bound forward
+    read slower in the second trial of a call of looks than in its first: results/2026-11-30_h200x2f/; a core that
+    slept may clock down)."""
     import torch
 
     gc.collect()
     torch.cuda.synchronize()
-    time.sleep(idle_s)
+    if not busy:
+        time.sleep(idle_s)
+        return
+    end = time.perf_counter() + idle_s
+    while time.perf_counter() < end:
+        pass
 
 
 def gpu_ms(fn) -> float:

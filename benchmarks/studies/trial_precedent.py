@@ -257,8 +257,9 @@ def _less(a: list[float], b: list[float]) -> str:
 
 def per_trace(runs: list[dict], work_ms: float = WORK_MS) -> list[str]:
     """Per forward slot trace, and their sum (:func:`with_forward_sum`), with the search's variant: its 8-step looks'
-    mean level less its 8-step brackets' (ms, +- se); where the trace has gaps and some brackets opened a call (``SearchOptions.balance_looks``), also
-    less those that closed one (the next trial followed the search's work) and less those that opened one."""
+    mean level less its 8-step brackets' (ms, +- se); where the trace has gaps and some brackets opened a call
+    (``SearchOptions.balance_looks``), also less those that closed one (the next trial followed the search's work)
+    and less those that opened one."""
     out = []
     for r in runs:
         for slot, rows in with_forward_sum(traces(r)).items():
@@ -302,6 +303,38 @@ def call_order(runs: list[dict], work_ms: float = WORK_MS) -> list[str]:
             if slot.endswith("fwd") and got:
                 out.append(
                     f"seed {r.get('seed')} ({options_changed(r)}) {slot}: second trial less first, " + "; ".join(got)
+                )
+    return out
+
+
+def places(runs: list[dict], work_ms: float = WORK_MS) -> list[str]:
+    """Per forward slot trace (with the search's variant): the mean level (ms less the delay put in) of its 8-step
+    trials by kind (look, bracket, settle), place in their call (a call opens after a gap of ``work_ms`` or more) and
+    whether a switch came right before (none where an incumbent's trial follows one). On 2 x H200 at
+    ``balance_looks=1`` the looks read ``proj.fwd`` alike in either place, and the brackets 0.6-0.7 ms apart: fast
+    where no switch came before, slow after one (results/2026-11-30_h200x2f/)."""
+    out = []
+    for r in runs:
+        for slot, rows in traces(r).items():
+            rows = sorted((x for x in rows if len(x) > 7), key=lambda x: x[1])
+            cells: dict[tuple[int, str, str], list[float]] = defaultdict(list)
+            place, before = 0, None
+            for x in rows:
+                place = 1 if x[7] >= work_ms else place + 1
+                mine = x[0] in ("bracket", "settle")
+                switched = not (mine and before in ("bracket", "settle"))
+                if len(x[5]) == 8 and x[0] in ("recheck", "bracket", "settle"):
+                    kind = "look" if x[0] == "recheck" else x[0]
+                    cells[(place, kind, "after a switch" if switched else "no switch")].append(x[2] - x[3])
+                before = x[0]
+            got = [
+                f"{k} {p} {w} {statistics.fmean(v):.3f} ({len(v)})"
+                for (p, k, w), v in sorted(cells.items())
+                if len(v) > 1
+            ]
+            if slot.endswith("fwd") and got:
+                out.append(
+                    f"seed {r.get('seed')} ({options_changed(r)}) {slot}, 8-step trials by place: " + "; ".join(got)
                 )
     return out
 
@@ -353,6 +386,7 @@ def main(argv: list[str] | None = None) -> None:
             )
     print("\n".join(step_profile(runs, SearchOptions.bracket_every, a.work_ms)))
     print("\n".join(call_order(runs, a.work_ms)))
+    print("\n".join(places(runs, a.work_ms)))
     print("\n".join(per_trace(runs, a.work_ms)))
     print("\n".join(decision_blocks(runs)))
     for f in {r["file"] for r in runs}:  # and the runs of search_on_real_steps.py --precedent
