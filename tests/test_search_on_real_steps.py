@@ -100,10 +100,11 @@ class SimulatedReal:
 
     def start(self, world) -> None:
         run = sim.SimulatedRun(world, self.scenario, random.Random(self.seed), 400)
-        self.world, self.run, self.switches, self.live, self.gaps_ms = world, run, 0, None, []
+        self.world, self.run, self.switches, self.live, self.gaps_ms, self.switched = world, run, 0, None, [], []
 
     def __call__(self, config, n, warmup):
         self.gaps_ms.append(float(len(self.gaps_ms)))  # a stand-in for the host ms before each call: its index
+        self.switched.append(config != self.live)
         if config != self.live:
             self.live, self.switches = config, self.switches + 1
         return self.run(config, n, warmup)
@@ -361,6 +362,11 @@ def test_a_seed_that_leaves_its_gain_keeps_each_trial_of_the_slots_the_gain_was_
     traced = sr.one_search(SimulatedReal(), 1001, 0.04, trace=("qkv.fwd", "proj.fwd"))
     assert traced["miss_trace"] is None and list(traced["trace"]) == ["qkv.fwd", "proj.fwd"]
     assert len(traced["trace"]["qkv.fwd"]) == len(traced["trace"]["proj.fwd"]) > 100
+    # each row ends with the host gap before its trial and whether a switch came first: a bracket right after a
+    # bracket of the same incumbent continues it, and the search's first trial switches
+    rows = traced["trace"]["proj.fwd"]
+    assert rows[0][8] is True and all(len(x) == 9 and isinstance(x[8], bool) for x in rows)
+    assert any(not x[8] for x in rows) and all(x[8] for x in rows if x[0] in ("screen", "halving", "recheck"))
     spec = importlib.util.spec_from_file_location("real_steps_bar", PATH.parent / "real_steps_bar.py")
     rb = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(rb)
@@ -616,6 +622,9 @@ def test_trial_precedent_sets_trials_after_the_searchs_work_against_those_after_
         "seed 6 (balance_looks=1) qkv.fwd, 8-step trials by place: bracket 1 no switch 1.100 (3); "
         "look 1 after a switch 1.200 (3); bracket 2 after a switch 0.900 (3); look 2 after a switch 0.900 (3)"
     )
+    flagged = [x + [True] for x in rows2]  # a trace that says a switch came before every trial (as an accepted choice)
+    (line,) = tp.places([{"seed": 6, "trace": {"qkv.fwd": flagged}}])
+    assert "bracket 1 after a switch 1.100 (3)" in line and "no switch" not in line
     lines = tp.table([{"miss_trace": {"qkv.fwd": rows, "fc1.bwd": rows}}], 4, 2.0)
     assert (
         lines[2].startswith("| backward | looks (8 steps) | trial | 5 | ")

@@ -135,11 +135,12 @@ class RealSteps:
         self.idle_s, self.scale, self.busy = idle_s, scale, busy  # busy: the switch spins (``--switch-busy``)
         self.world, self.live, self.t0, self.switches = None, None, 0.0, 0
         self.gaps_ms: list[float] = []  # per call, the host ms since the last call ended: the search's own work
+        self.switched: list[bool] = []  # per call, whether a simulated switch came first
         self.ended = 0.0  # when the last call ended (perf_counter s)
 
     def start(self, world) -> None:
         self.world, self.live, self.t0, self.switches = world, None, time.perf_counter(), 0
-        self.gaps_ms, self.ended = [], self.t0
+        self.gaps_ms, self.switched, self.ended = [], [], self.t0
 
     def slot_excess_ms(self, config) -> dict[str, float]:
         """A GEMM's excess spread over the slots it runs in (a shared expert runs fc1/fc2's configs): the step's
@@ -195,6 +196,7 @@ class RealSteps:
 
         t = time.perf_counter()
         self.gaps_ms.append(round(1000 * (t - self.ended), 2))
+        self.switched.append(config != self.live)
         if config != self.live:
             simulated_switch(self.idle_s, self.busy)
             self.delays.set(self.slot_excess_ms(config))
@@ -422,29 +424,34 @@ def one_search(
             s: {k: v if isinstance(v, (int, float)) or k == "runners_up" else len(v) for k, v in c.items()}
             for s, c in res.coverage.items()
         },
-        "miss_trace": miss_trace(res.trials, traced, real.slot_excess_ms, real.gaps_ms)
+        "miss_trace": miss_trace(res.trials, traced, real.slot_excess_ms, real.gaps_ms, getattr(real, "switched", None))
         if false_winner or realized is not None and realized < 0.999
         else None,
         # ``--trace``: the same rows for these slots in every search, whatever its outcome (trial_precedent.py)
-        "trace": miss_trace(res.trials, list(trace), real.slot_excess_ms, real.gaps_ms) if trace else None,
+        "trace": miss_trace(res.trials, list(trace), real.slot_excess_ms, real.gaps_ms, getattr(real, "switched", None))
+        if trace
+        else None,
         # per slot the chosen config leaves a delay in, what that delay shows at its size after the search
         **(miss_checks(real, pick, missed, options) if missed else dict.fromkeys(MISS_CHECKS, {})),
     }
 
 
-def miss_trace(trials: list, slots: list[str], excess_ms, gaps_ms: list[float] | None = None) -> dict[str, list[list]]:
+def miss_trace(
+    trials: list, slots: list[str], excess_ms, gaps_ms: list[float] | None = None, switched: list[bool] | None = None
+) -> dict[str, list[list]]:
     """Per slot in ``slots``, every measured trial as [phase, position (steps), the slot's median ms, the delay put
     in for the trial's config (ms), the delays put in every slot (ms, in the order of the JSON's ``slots``), the
     slot's ms per measured step, the rest of the step's (step minus every slot) ms per measured step, and, where
     ``gaps_ms`` has one per trial, the host ms between the trial before and this one (the search's own work;
-    ``trial_precedent.py``)]: kept
+    ``trial_precedent.py``), and then, where ``switched`` has one per trial too, whether a switch came first]: kept
     for a seed that left a gain or named a false winner, so that its JSON tells a look that read noise from one that
     could not see a put-in cost (FP8 seed 21304 on 4 x H100 left a 0.32 ms proj_fprop gain, re-measured once, and a
     rerun took it: benchmarks/results/2026-11-26_h100x4c/), and whether the other slots' delays move the slot's own
     reading (``slot_coupling.py``)."""
     out: dict[str, list[list]] = {s: [] for s in slots}
     gaps = gaps_ms if gaps_ms is not None and len(gaps_ms) == len(trials) else [None] * len(trials)
-    for t, gap in zip(trials, gaps):
+    flags = switched if switched is not None and len(switched) == len(trials) else [None] * len(trials)
+    for t, gap, flag in zip(trials, gaps, flags):
         if t.error:
             continue
         put_in = excess_ms(t.config)
@@ -454,7 +461,7 @@ def miss_trace(trials: list, slots: list[str], excess_ms, gaps_ms: list[float] |
                 steps = [round(v, 4) for v in t.slot_samples.get(s, [])]
                 rest = [round(v, 4) for v in t.rest_samples]  # host_modes.py reads both
                 row = [t.phase, int(t.position), round(t.slot_ms[s], 4), round(put_in[s], 4), every, steps, rest]
-                out[s].append(row + ([gap] if gap is not None else []))
+                out[s].append(row + ([gap] if gap is not None else []) + ([flag] if None not in (gap, flag) else []))
     return out
 
 

@@ -321,8 +321,10 @@ def places(runs: list[dict], work_ms: float = WORK_MS) -> list[str]:
             place, before = 0, None
             for x in rows:
                 place = 1 if x[7] >= work_ms else place + 1
-                mine = x[0] in ("bracket", "settle")
-                switched = not (mine and before in ("bracket", "settle"))
+                # the trace says so since the fifty-eighth session; before, a trial of the incumbent after one of it
+                # is taken to continue it (wrong only where a choice was accepted in between)
+                incumbent = x[0] in ("bracket", "settle") and before in ("bracket", "settle")
+                switched = x[8] if len(x) > 8 else not incumbent
                 if len(x[5]) == 8 and x[0] in ("recheck", "bracket", "settle"):
                     kind = "look" if x[0] == "recheck" else x[0]
                     cells[(place, kind, "after a switch" if switched else "no switch")].append(x[2] - x[3])

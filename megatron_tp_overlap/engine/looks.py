@@ -41,8 +41,8 @@ class Looks:
         incumbent that nothing counts (phase ``settle``; 4: of one step): a call's first trial, right after the
         judging, read a host-bound forward 0.3-0.5 ms fast on 2 x H200 (results/2026-11-30_h200x2e/). With 5 every
         call opens and closes with a bracket, so that each look's incumbent level lies between one at the call's start
-        and one at its end (real steps: a call's last trial read proj.fwd slow, whatever ran first: results/
-        2026-11-30_h200x2f/)."""
+        and one at its end (on real FP8 steps it did not stop equal choices being accepted where a gain was:
+        results/2026-11-30_h200x2f/)."""
         o = self.opt
         self.look_calls += 1
         alternate = o.balance_looks == 1 and self.look_calls % 2 == 0
