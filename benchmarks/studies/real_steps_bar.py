@@ -214,12 +214,12 @@ def look_lines(runs: list[dict], beyond: float = 2.5) -> list[str]:
     choices accepted there after one look and after more. On real L/M FP8 steps at the defaults (2 x H200,
     results/2026-11-30_h200x2b/ to 2f/) the forwards' first looks read apart, and apart from each other:
     ``proj.fwd`` +1.29 on average, 9 of 26 above +2.5; ``fc1.fwd`` -1.68, 8 of 23 below -2.5; the backwards' not."""
-    cells: dict[tuple[str, str, str], list[list[float]]] = {}
+    cells: dict[tuple[str, str, str], list[tuple[list[float], bool]]] = {}  # per leader: its looks, accepted
     for r in runs:
         fast = {w.split(":")[0] for w in r.get("world_fast") or []}
         for gemm, c in (r.get("choices") or {}).items():
             if gemm not in fast and (zs := look_zs(c)):
-                cells.setdefault((r["dtype"], options_changed(r), c.get("slot", gemm)), []).append(zs + [c["accepted"]])
+                cells.setdefault((r["dtype"], options_changed(r), c.get("slot", gemm)), []).append((zs, c["accepted"]))
 
     def part(zs: list[float]) -> str:
         if not zs:
@@ -229,8 +229,8 @@ def look_lines(runs: list[dict], beyond: float = 2.5) -> list[str]:
 
     out = []
     for (d, v, slot), leaders in sorted(cells.items()):
-        first, later = [x[0] for x in leaders], [z for x in leaders for z in x[1:-1]]
-        once, more = sum(x[-1] and len(x) == 2 for x in leaders), sum(x[-1] and len(x) > 2 for x in leaders)
+        first, later = [zs[0] for zs, _ in leaders], [z for zs, _ in leaders for z in zs[1:]]
+        once, more = sum(a and len(zs) == 1 for zs, a in leaders), sum(a and len(zs) > 1 for zs, a in leaders)
         out.append(
             f"{d}, {v}, {slot}: first looks {part(first)}; later looks {part(later)}; "
             f"accepted after one look {once}, after more {more}"

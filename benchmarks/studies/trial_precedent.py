@@ -166,9 +166,8 @@ def with_forward_sum(traced: dict[str, list[list]]) -> dict[str, list[list]]:
     summed = []
     for trial in zip(*rows):
         steps = [sum(v) for v in zip(*(x[5] for x in trial))]
-        first = trial[0]
-        summed.append([first[0], first[1], statistics.median(steps), sum(x[3] for x in trial), *first[4:5], steps,
-                       *first[6:]])  # fmt: skip
+        first = trial[0]  # its phase, position, delays in every slot, rest of the step, gap (the same for all)
+        summed.append([*first[:2], statistics.median(steps), sum(x[3] for x in trial), first[4], steps, *first[6:]])
     return {**traced, "+".join(s.removesuffix(".fwd") for s in fwd) + ".fwd": summed}
 
 
