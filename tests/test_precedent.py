@@ -2,6 +2,7 @@
 it (benchmarks/studies/trial_precedent.py, run on real steps by search_on_real_steps.py)."""
 
 import importlib.util
+import json
 import statistics
 import sys
 from pathlib import Path
@@ -68,6 +69,26 @@ def test_record_sets_the_trial_right_after_each_work_against_the_next_and_rotate
     )
 
 
+def test_record_runs_another_config_that_costs_the_same_before_or_after_the_reference():
+    """``order`` "or" runs a pair as a look and its bracket: another config (each forward GEMM's first option, no
+    cost put in: the world is equal), then the reference; "ro" the other way round. A fake that reads the other
+    config's ``qkv.fwd`` 0.4 ms fast gives the first trial less the second -0.4 and +0.4 ms."""
+
+    class _ByConfig(_Fake):
+        def __call__(self, config, steps: int, warmup: int) -> Measurement:
+            self.configs = [*getattr(self, "configs", []), config]
+            ms = 1.0 if config.label == "reference" else 0.6
+            return Measurement({"qkv.fwd": [ms] * steps}, [50.0] * steps, 0.0, steps + warmup)
+
+    fake = _ByConfig()
+    works = {"or": tp.WorkKind(lambda ms: None, order="or"), "ro": tp.WorkKind(lambda ms: None, order="ro")}
+    got = tp.summarize(tp.record(fake, 2, 20.0, steps=4, works=works))
+    assert got["qkv.fwd"] == {"or": [pytest.approx(-0.4), 0.0], "ro": [pytest.approx(0.4), 0.0]}
+    other = next(c for c in fake.configs if c.label != "reference")
+    assert sorted(g for g, _ in other.ub.entries) == ["fc1_fprop", "fc2_fprop", "proj_fprop", "qkv_fprop"]
+    assert fake.world.step_ms(other) == fake.world.step_ms(fake.configs[0])  # no cost put in
+
+
 def test_decision_blocks_sets_the_first_reference_block_of_each_quadruple_against_its_last():
     """Quadruples A B B A of 3-step blocks; from the 7th the first follows the decision's judging: here 0.2 ms slower."""
     blocks = []
@@ -106,3 +127,13 @@ def test_call_order_sets_a_calls_second_trial_against_its_first_by_length():
     assert tp.call_order([run]) == [
         "seed 7 (defaults) proj.fwd: second trial less first, 8-step calls +0.500 +- 0.100 ms (n=2)"
     ]
+
+
+def test_pairs_of_a_run_cut_short_are_read_from_its_log(tmp_path, capsys):
+    """``--pairs LOG``: the ``[precedent]`` lines a run printed as each pair ended (its JSON was never written)."""
+    pair = lambda a, b: {"kind": "other-first", "after_work": {"qkv.fwd": a}, "after_trial": {"qkv.fwd": b}}  # noqa: E731
+    log = tmp_path / "g0.log"
+    log.write_text("noise\n" + "".join(f"[precedent] {json.dumps(pair(a, 1.0))}\n" for a in (0.5, 0.7)) + "[prec")
+    tp.main(["--pairs", str(log)])
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("2 pairs") and out[3] == "| qkv.fwd | -0.4000 +- 0.1000 |"

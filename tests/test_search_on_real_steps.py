@@ -201,7 +201,8 @@ def test_a_variant_takes_each_fields_type():
      (["--common-factor-steps", "1"], "at least 2"), (["--variants", "max_step=400"], "numeric SearchOptions field"),
      (["--variants", "later_look_least=2"], "must be in [0, 1]"), (["--repeat", "0"], "at least 1"),
      (["--precedent", "-1"], "0 (not run) or more"), (["--precedent-work-ms", "0"], "more than 0 ms"),
-     (["--trace", "qkv.fwd", "attn.fwd"], "attn.fwd: not a slot")],
+     (["--trace", "qkv.fwd", "attn.fwd"], "attn.fwd: not a slot"),
+     (["--precedent-kinds", "python", "other"], "'other': not a kind")],
 )  # fmt: skip
 def test_a_bad_study_size_or_variant_gets_one_line_and_exit_2_before_any_gpu_work(flag, rule, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", [str(PATH), "--script", "pretrain_gpt.py", *flag])
@@ -682,3 +683,65 @@ def test_a_simulated_switch_sleeps_or_spins_and_switch_busy_reaches_the_gpu_job(
     monkeypatch.setattr(sr.subprocess, "run", start)
     with pytest.raises(Started):
         sr.main()
+
+
+def test_gc_off_pauses_automatic_collection_through_a_trials_steps_and_reaches_the_gpu_job(monkeypatch):
+    """``--gc-off``: no automatic garbage collection while a trial's warm-up and measured steps run (where a
+    collection lands moves a host-bound forward's time between its slots), enabled again after; a collector the
+    caller had disabled stays disabled."""
+    import gc
+
+    seen = []
+    assert gc.isenabled()
+    with sr.gc_paused(True):
+        seen.append(gc.isenabled())
+    with sr.gc_paused(False):
+        seen.append(gc.isenabled())
+    gc.disable()
+    try:
+        with sr.gc_paused(True):
+            pass
+        seen.append(gc.isenabled())
+    finally:
+        gc.enable()
+    assert seen == [False, True, False] and gc.isenabled()
+
+    class Started(Exception):
+        pass
+
+    def start(cmd, *a, **k):
+        assert "--gc-off" in cmd
+        raise Started
+
+    monkeypatch.setattr(sys, "argv", [str(PATH), "--script", "pretrain_gpt.py", "--gc-off"])
+    monkeypatch.setattr(sr.subprocess, "run", start)
+    with pytest.raises(Started):
+        sr.main()
+
+
+def test_a_trial_on_real_steps_runs_its_warm_up_and_measured_steps_with_the_collector_paused(monkeypatch):
+    import gc
+
+    import trial_noise
+
+    pytest.importorskip("torch")
+    from megatron_tp_overlap.engine.search import Measurement
+
+    seen: list[tuple[str, bool]] = []
+
+    class Steps:
+        def step(self) -> None:
+            seen.append(("warm-up", gc.isenabled()))
+
+    class Delays:
+        def set(self, slot_ms) -> None:
+            seen.append(("switch", gc.isenabled()))
+
+    monkeypatch.setattr(trial_noise, "simulated_switch", lambda idle_s, busy=False: None)
+    for off in (True, False):
+        real = sr.RealSteps(Steps(), [], None, Delays(), 0.0, 1.0, gc_off=off)
+        monkeypatch.setattr(real, "slot_excess_ms", lambda config: {})
+        monkeypatch.setattr(real, "_timed", lambda n: (seen.append(("measured", gc.isenabled())), ({}, [1.0] * n))[1])
+        seen.clear()
+        assert isinstance(real("config", 2, 1), Measurement)
+        assert seen == [("switch", True), ("warm-up", not off), ("measured", not off)] and gc.isenabled()

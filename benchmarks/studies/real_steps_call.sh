@@ -51,6 +51,7 @@ fi
 cat "/tmp/$NAME/status.txt"
 python3 benchmarks/studies/real_steps_bar.py /tmp/"$NAME"/g*/ 2>&1 | tee "/tmp/$NAME/bar.md"
 python3 benchmarks/studies/trial_precedent.py /tmp/"$NAME"/g*/ 2>&1 | tee "/tmp/$NAME/precedent.md"
+python3 benchmarks/studies/look_neighbours.py /tmp/"$NAME"/g*/ 2>&1 | tee -a "/tmp/$NAME/precedent.md"
 cp -r "/tmp/$NAME" "$OUT/"
 for LOG in /tmp/"$NAME"/g*.log; do echo "== $LOG"; grep -v "^  \|\[search_on_real_steps\] {" "$LOG" | tail -25; done
 cat "/tmp/$NAME/status.txt"  # again, last: the returned tail is the output's last 12,000 characters (sr46 lost these)

@@ -36,7 +36,9 @@ max_steps=400 max_steps=0``: the old 400-step limit against the seconds alone.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import gc
 import json
 import math
 import os
@@ -45,6 +47,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -127,12 +130,39 @@ class Delays:
         self.cycles = {s: int(ms / self.slot_calls.get(s, self.calls) / self.per_cycle) for s, ms in slot_ms.items()}
 
 
+@contextlib.contextmanager
+def gc_paused(paused: bool) -> Iterator[None]:
+    """With ``paused``, no automatic garbage collection inside (``gc.disable``; the next switch collects). A collection
+    lands where the allocations since the last one reach the threshold: on 2 x H200 a look read the forwards split
+    apart from its brackets, qkv.fwd about 1 ms over proj.fwd against about 0, trial for trial, where every config
+    cost the same (results/2026-11-30_h200x2g/), and the host's allocations before a trial differ by config."""
+    if not paused or not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 class RealSteps:
     """``evaluate`` for the searcher on real steps; a config's cost is the world's, put in by ``Delays``."""
 
-    def __init__(self, steps, modules, topo, delays: Delays, idle_s: float, scale: float, busy: bool = False):
+    def __init__(
+        self,
+        steps,
+        modules,
+        topo,
+        delays: Delays,
+        idle_s: float,
+        scale: float,
+        busy: bool = False,
+        gc_off: bool = False,
+    ):
         self.steps, self.modules, self.topo, self.delays = steps, modules, topo, delays
         self.idle_s, self.scale, self.busy = idle_s, scale, busy  # busy: the switch spins (``--switch-busy``)
+        self.gc_off = gc_off  # no automatic garbage collection through a trial's steps (``--gc-off``)
         self.world, self.live, self.t0, self.switches = None, None, 0.0, 0
         self.gaps_ms: list[float] = []  # per call, the host ms since the last call ended: the search's own work
         self.switched: list[bool] = []  # per call, whether a simulated switch came first
@@ -201,9 +231,10 @@ class RealSteps:
             simulated_switch(self.idle_s, self.busy)
             self.delays.set(self.slot_excess_ms(config))
             self.live, self.switches = config, self.switches + 1
-        for _ in range(warmup):
-            self.steps.step()
-        slot_ms, step_ms = self._timed(n)
+        with gc_paused(self.gc_off):
+            for _ in range(warmup):
+                self.steps.step()
+            slot_ms, step_ms = self._timed(n)
         now = self.ended = time.perf_counter()
         return Measurement(slot_ms, step_ms, now - self.t0, n + warmup, now - t)
 
@@ -547,9 +578,10 @@ def inner(
     common_factor: int = 0,
     common_factor_steps: int = 0,
     repeat: int = 1,
-    precedent: tuple[int, float] = (0, 0.0),
+    precedent: tuple[int, float, tuple[str, ...]] = (0, 0.0, ()),
     trace: tuple[str, ...] = (),
     switch_busy: bool = False,
+    gc_off: bool = False,
 ) -> None:
     import megatron.training.training as training
     import torch
@@ -578,9 +610,9 @@ def inner(
             steps.step()
         calls = delays.count(steps.step)
         step_ms = statistics.median(gpu_ms(steps.step) for _ in range(10))
-        real = RealSteps(steps, modules, topo, delays, idle_s, step_ms / sim.STEP_MS, switch_busy)
+        real = RealSteps(steps, modules, topo, delays, idle_s, step_ms / sim.STEP_MS, switch_busy, gc_off)
         result = {"megatron_args": argv[1:], "step_ms": step_ms, "ms_per_cycle": delays.per_cycle, "idle_s": idle_s}
-        result["switch_busy"] = switch_busy
+        result["switch_busy"], result["gc_off"] = switch_busy, gc_off
         result["trial_microbatches"] = steps.n_mb
         result["slots"], result["slot_calls_per_step"] = topo.slots(), calls
         result["preset"], result["variants"] = preset, list(variants)
@@ -615,7 +647,8 @@ def inner(
         if precedent[0]:  # does a trial right after the search's kind of work read apart? (trial_precedent.py)
             import trial_precedent as tp
 
-            result["precedent"] = tp.record(real, *precedent)
+            rounds, work_ms, kinds = precedent
+            result["precedent"] = tp.record(real, rounds, work_ms, works={k: tp.WORKS[k] for k in kinds} or None)
             print("\n".join(tp.summary_lines(tp.summarize(result["precedent"]))), flush=True)
             save()
             delays.set({})
@@ -710,6 +743,9 @@ def main() -> None:
     p.add_argument(
         "--switch-busy", action="store_true", help="the simulated switch spins through --idle-s (default: it sleeps)"
     )
+    p.add_argument(
+        "--gc-off", action="store_true", help="no automatic garbage collection through each trial's steps (gc_paused)"
+    )
     p.add_argument("--first-seed", type=int, default=1000)
     p.add_argument(
         "--repeat", type=int, default=1, help="search each world this many times in a row (the worst world, again)"
@@ -779,6 +815,13 @@ def main() -> None:
     )
     p.add_argument("--precedent-work-ms", type=float, default=20.0, help="each --precedent work's ms")
     p.add_argument(
+        "--precedent-kinds",
+        nargs="+",
+        default=[],
+        metavar="KIND",
+        help="these kinds of --precedent only (default: all)",
+    )
+    p.add_argument(
         "--trace",
         nargs="+",
         default=[],
@@ -806,6 +849,12 @@ def main() -> None:
     if unknown := [s for s in a.trace if s not in known]:
         print(f"--trace {' '.join(unknown)}: not a slot; slots are {', '.join(known)}", file=sys.stderr)
         sys.exit(2)
+    from trial_precedent import WORKS
+
+    if unknown := [k for k in a.precedent_kinds if k not in WORKS]:
+        kinds = "; ".join(WORKS)
+        print(f"--precedent-kinds {unknown[0]!r}: not a kind; kinds are {kinds}", file=sys.stderr)
+        sys.exit(2)
     if a.repeat < 1:
         print(f"--repeat {a.repeat}: must be at least 1 (searches of each world)", file=sys.stderr)
         sys.exit(2)
@@ -825,9 +874,10 @@ def main() -> None:
             a.common_factor,
             a.common_factor_steps,
             a.repeat,
-            (a.precedent, a.precedent_work_ms),
+            (a.precedent, a.precedent_work_ms, tuple(a.precedent_kinds)),
             tuple(a.trace),
             a.switch_busy,
+            a.gc_off,
         )
         return
     from megatron_autotune import FP8_ARGS, one_gpu_args, parse_model_shape
@@ -842,7 +892,9 @@ def main() -> None:
     cmd += ["--common-factor", str(a.common_factor), "--common-factor-steps", str(a.common_factor_steps)]
     cmd += ["--repeat", str(a.repeat), "--precedent", str(a.precedent), "--precedent-work-ms", str(a.precedent_work_ms)]
     cmd += ["--trace", *a.trace] if a.trace else []
+    cmd += ["--precedent-kinds", *a.precedent_kinds] if a.precedent_kinds else []
     cmd += ["--switch-busy"] if a.switch_busy else []
+    cmd += ["--gc-off"] if a.gc_off else []
     variants = a.variants + [f"select_passes={n}" for n in a.select_passes]
     for v in variants:
         try:

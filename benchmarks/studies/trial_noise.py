@@ -108,8 +108,8 @@ def simulated_switch(idle_s: float, busy: bool = False) -> None:
     """What a userbuffers switch does besides the re-init (one ``gc.collect()``, a device sync), and the re-init's
     ``idle_s`` seconds with the GPU idle: the switch of the one-GPU benchmarks (TP=1, no userbuffers). The host sleeps
     through them, or with ``busy`` spins, as a re-init's host work keeps a core busy (on 2 x H200 a host-bound forward
-    read slower in the second trial of a call of looks than in its first: results/2026-11-30_h200x2f/; a core that
-    slept may clock down)."""
+    read slower in the second trial of a call of looks than in its first: results/2026-11-30_h200x2f/; spinning
+    changed nothing there: results/2026-11-30_h200x2g/)."""
     import torch
 
     gc.collect()

@@ -60,11 +60,14 @@ def _numpy(ms: float) -> None:  # array work (the racing's pooled spreads)
 class WorkKind:
     """One kind of what runs before a pair of trials: ``run(ms)``; ``switch``: each trial after a switch (as a look and
     its bracket; False: the trials continue the config, as the final decision's first block after its judging);
-    ``settle``: one unrecorded 1-step trial after the work first (would a short trial absorb it?)."""
+    ``settle``: one unrecorded 1-step trial after the work first (would a short trial absorb it?); ``order``: the
+    pair's configs, ``r`` the reference and ``o`` another that costs the same (a look's: every forward GEMM's first
+    option; "or" runs as a look and then its bracket)."""
 
     run: Callable[[float], None]
     switch: bool = True
     settle: bool = False
+    order: str = "rr"
 
 
 WORKS: dict[str, WorkKind] = {
@@ -75,6 +78,10 @@ WORKS: dict[str, WorkKind] = {
     "python, settled": WorkKind(_python, settle=True),
     "none, no switch": WorkKind(lambda ms: None, switch=False),
     "python, no switch": WorkKind(_python, switch=False),
+    # on 2 x H200 a look read the forwards apart from the brackets on both sides of it, where every config cost the
+    # same (results/2026-11-30_h200x2g/): is it the configs' order?
+    "other-first": WorkKind(_python, order="or"),  # after python work
+    "other-second": WorkKind(_python, order="ro"),
 }
 
 
@@ -84,13 +91,18 @@ def record(real, rounds: int, work_ms: float, steps: int = 8, works: dict[str, W
     after a switch, none without). Per pair: the kind and each trial's per-slot median ms."""
     import random
 
-    from megatron_tp_overlap.engine.space import TuningConfig, build_space
+    from megatron_tp_overlap.engine.space import TuningConfig, apply, build_space
     from megatron_tp_overlap.tools.research import decision_sim as sim
     from megatron_tp_overlap.ub.config import UbConfig
 
     works = works or WORKS
     ref = TuningConfig(UbConfig(), frozenset(), "reference")
-    real.start(sim.make_world(build_space(sim.TOPO, sim.CTX, [UbConfig()]), 0.0, random.Random(0)))
+    space = build_space(sim.TOPO, sim.CTX, [UbConfig()])
+    other = ref
+    for gemm in (g for g in space if g.endswith("_fprop")):
+        other = apply(other, next(o for o in space[gemm] if o.enabled and o.cfg), sim.TOPO)
+    config = {"r": ref, "o": other}
+    real.start(sim.make_world(space, 0.0, random.Random(0)))
     out, kinds = [], list(works)
     for r in range(rounds):
         for kind in kinds[r % len(kinds) :] + kinds[: r % len(kinds)]:
@@ -103,10 +115,10 @@ def record(real, rounds: int, work_ms: float, steps: int = 8, works: dict[str, W
                 real.live = None
                 real(ref, 1, 0)
             pair = []
-            for _ in range(2):
+            for c in w.order:
                 if w.switch:
                     real.live = None  # a switch before each trial, as between a look and its bracket
-                m = real(ref, steps, 1 if w.switch else 0)
+                m = real(config[c], steps, 1 if w.switch else 0)
                 pair.append({s: statistics.median(v) for s, v in m.slot_ms.items() if v})
             out.append({"kind": kind, "after_work": pair[0], "after_trial": pair[1]})
             print(f"[precedent] {json.dumps(out[-1])}", flush=True)  # a call cut short keeps its pairs in the log
@@ -126,9 +138,10 @@ def summarize(pairs: list[dict]) -> dict[str, dict[str, list[float]]]:
 
 
 def pooled_lines(pairs: list[dict]) -> list[str]:
-    """Per forward slot: every kind with work (not ``none...``) pooled, the first trial less the second (ms, mean +- se),
-    against the spread of the trials themselves (their standard deviation, ms)."""
-    work = [p for p in pairs if not p["kind"].startswith("none")]
+    """Per forward slot: every kind with work (not ``none...``) and one config pooled, the first trial less the second
+    (ms, mean +- se), against the spread of the trials themselves (their standard deviation, ms)."""
+    same = lambda k: k not in WORKS or WORKS[k].order == "rr"  # noqa: E731  (pairs of one config only)
+    work = [p for p in pairs if not p["kind"].startswith("none") and same(p["kind"])]
     out = []
     for s in (s for s in pairs[0]["after_work"] if s.endswith("fwd")) if work else ():
         d = [p["after_work"][s] - p["after_trial"][s] for p in work]
@@ -368,9 +381,20 @@ def decision_blocks(runs: list[dict]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("paths", nargs="+", help="search_on_real_steps.json files or folders holding them")
+    p.add_argument("paths", nargs="*", help="search_on_real_steps.json files or folders holding them")
     p.add_argument("--work-ms", type=float, default=WORK_MS, help="a gap this long or longer follows the search's work")
+    p.add_argument(
+        "--pairs", nargs="+", default=[], metavar="LOG", help="--precedent's pairs from logs (a run cut short)"
+    )
     a = p.parse_args(argv)
+    if a.pairs:
+        pairs = [
+            json.loads(x.split(" ", 1)[1]) for f in a.pairs for x in Path(f).open() if x.startswith("[precedent] {")
+        ]
+        print(f"{len(pairs)} pairs of trials, the first right after the work, the second right after it")
+        print("\n".join(summary_lines(summarize(pairs)) + pooled_lines(pairs)))
+        if not a.paths:
+            return
     runs = load_or_say(a.paths)
     print("\n".join(table(runs, SearchOptions.bracket_every, a.work_ms)))
     if len(variants := dict.fromkeys(map(options_changed, runs))) > 1:

@@ -1,0 +1,102 @@
+"""Does a fresh look read a slot apart from the incumbent's bracket after it only, or from the one before it too?
+
+    python benchmarks/studies/look_neighbours.py DIR_OR_JSON [...]
+
+Reads the ``trace`` of every ``search_on_real_steps.json`` under the paths (``--trace SLOT ...``: every trial of those
+slots) and gives, per forward slot and the traced forwards' sum: each look's level (its median ms less the
+delay put in) less that of the nearest bracket after it (``next``: at the defaults the one closing its call) and before
+it (``before``: the one that closed the call before, across the search's judging). A lead of place in the call (the
+trial right after the judging reads apart) shows in ``next`` only, or with opposite signs; a lead of the looks
+themselves shows in both alike. ``final``: where the final decision ran (``confirm_blocks``), its candidate's blocks less the reference's in
+the same slot: the same configs, read in quadruples of short blocks instead. Last, the racing's trials (4 steps, no
+delay put in any slot) against their brackets the same two ways.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+from pathlib import Path
+
+from real_steps_bar import load_or_say, options_changed  # the study's own (this folder is on sys.path)
+from trial_precedent import traces, with_forward_sum
+
+
+def _mean_se(v: list[float]) -> str:
+    return f"{statistics.fmean(v):+.3f} +- {statistics.stdev(v) / math.sqrt(len(v)):.3f} (n={len(v)})"
+
+
+def look_less_brackets(rows: list[list], phase: str = "recheck") -> tuple[list[float], list[float]]:
+    """Trace rows of one slot in the order run (``miss_trace``'s): per trial of ``phase`` (``recheck``: a look;
+    ``halving``: a racing trial, where no delay is put in any slot), (its level less the nearest bracket of the same
+    length after it, its level less the nearest one before it)."""
+    mine = [len(x[5]) for x in rows if x[0] == phase]
+    rows = [
+        x
+        for x in rows
+        if mine
+        and len(x[5]) == mine[0]
+        and (x[0] == "bracket" or x[0] == phase and (phase == "recheck" or not any(x[4])))
+    ]
+    level = [x[2] - x[3] for x in rows]
+    brackets = [i for i, x in enumerate(rows) if x[0] == "bracket"]
+    after, before = [], []
+    for i, x in enumerate(rows):
+        if x[0] == phase:
+            if nxt := [j for j in brackets if j > i]:
+                after.append(level[i] - level[nxt[0]])
+            if prev := [j for j in brackets if j < i]:
+                before.append(level[i] - level[prev[-1]])
+    return after, before
+
+
+def final_less_reference(run: dict, rows: list[list]) -> float | None:
+    """The final decision's candidate blocks less its reference blocks in one slot (mean ms), or None."""
+    blocks = run.get("confirm_blocks") or []
+    confirm = [x for x in rows if x[0] == "confirm"]
+    if not blocks or len(confirm) != len(blocks):
+        return None
+    names = dict.fromkeys(b[0] for b in blocks)
+    if "reference" not in names or len(names) != 2:
+        return None
+    cand = next(n for n in names if n != "reference")
+    mine = [x[2] - x[3] for x, b in zip(confirm, blocks) if b[0] == cand]
+    ref = [x[2] - x[3] for x, b in zip(confirm, blocks) if b[0] == "reference"]
+    return statistics.fmean(mine) - statistics.fmean(ref)
+
+
+def lines(runs: list[dict]) -> list[str]:
+    out = []
+    for r in runs:
+        for slot, rows in with_forward_sum(traces(r)).items():
+            if not slot.endswith("fwd"):
+                continue
+            after, before = look_less_brackets(rows)
+            if len(after) < 2 or len(before) < 2:
+                continue
+            final = final_less_reference(r, rows)
+            racing = [v for v in look_less_brackets(rows, "halving") if len(v) > 1]
+            tail = f"; final decision {final:+.3f} ms" if final is not None else ""
+            tail += (
+                f"; the racing's trials: next {_mean_se(racing[0])}, before {_mean_se(racing[1])}"
+                if len(racing) == 2
+                else ""
+            )
+            where = "/".join(Path(r["file"]).parent.parts[-2:]) + " " if "file" in r else ""  # call/gG
+            out.append(
+                f"{where}seed {r.get('seed')} ({options_changed(r)}) {slot}: looks less the bracket next {_mean_se(after)}, "
+                f"before {_mean_se(before)} ms{tail}"
+            )
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("paths", nargs="+", help="search_on_real_steps.json files or folders holding them")
+    a = p.parse_args(argv)
+    print("\n".join(lines(load_or_say(a.paths))))
+
+
+if __name__ == "__main__":
+    main()

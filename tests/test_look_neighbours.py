@@ -1,0 +1,72 @@
+"""A look against the brackets on both sides of it (benchmarks/studies/look_neighbours.py, on search traces)."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "studies"))
+import look_neighbours as ln  # noqa: E402  (the studies' folder first)
+
+
+def _row(phase: str, pos: int, ms: float, delay: float = 0.0, n: int = 8, gap: float = 0.1) -> list:
+    """A trace row (phase, position, median ms, delay put in, delays, steps, rest of the step, gap ms)."""
+    return [phase, pos, ms, delay, [], [ms] * n, [50.0] * n, gap]
+
+
+def test_a_look_is_set_against_the_nearest_bracket_after_it_and_before_it():
+    """Calls of looks closed by a bracket, as at the defaults: the looks read 0.5 ms below the bracket before them
+    (the last call's) and 0.7 and 0.3 below the one after; a second look in a call shares its brackets; a delay put in
+    is taken out of the level; the racing's 4-step trials count nothing."""
+    rows = [
+        _row("bracket", 0, 1.0),
+        _row("recheck", 9, 0.5, gap=10.0),
+        _row("bracket", 18, 1.5, delay=0.3),  # level 1.2
+        _row("halving", 27, 9.0, n=4, gap=5.0),
+        _row("recheck", 32, 0.7, gap=10.0),
+        _row("recheck", 41, 0.9, delay=0.2, gap=1.0),  # level 0.7
+        _row("bracket", 50, 1.0),
+    ]
+    after, before = ln.look_less_brackets(rows)
+    assert after == pytest.approx([-0.7, -0.3, -0.3])
+    assert before == pytest.approx([-0.5, -0.5, -0.5])
+
+
+def test_lines_give_each_forward_slot_both_sides_and_the_final_decisions_reading():
+    """One line per forward slot with two looks or more on each side (the backward slot and a trace of one look
+    are left out); the final decision's candidate blocks less its reference blocks in the same slot."""
+    rows = [
+        _row("bracket", 0, 1.0),
+        _row("recheck", 9, 0.6, gap=10.0),
+        _row("bracket", 18, 1.0),
+        _row("recheck", 27, 0.8, gap=10.0),
+        _row("bracket", 36, 1.2),
+        _row("confirm", 45, 2.0, n=3),
+        _row("confirm", 49, 2.5, n=3),
+        _row("confirm", 53, 2.7, n=3),
+        _row("confirm", 57, 2.0, n=3),
+    ]
+    blocks = [
+        ["autotuned", 1, 20.0, 21.0],
+        ["reference", 1, 20.0, 21.0],
+        ["reference", 0, 20, 21],
+        ["autotuned", 1, 20, 21],
+    ]
+    run = {"seed": 3, "trace": {"proj.fwd": rows, "proj.bwd": rows, "qkv.fwd": rows[:3]}, "confirm_blocks": blocks}
+    assert ln.lines([run]) == [
+        "seed 3 (defaults) proj.fwd: looks less the bracket next -0.400 +- 0.000 (n=2), before -0.300 +- 0.100 (n=2) ms;"
+        " final decision -0.600 ms"
+    ]
+    assert ln.final_less_reference({"confirm_blocks": blocks[:3]}, rows) is None  # blocks and rows do not pair up
+
+
+def test_the_racings_trials_are_set_against_brackets_of_their_length_where_no_slot_has_a_delay():
+    """A racing trial with a delay put in any slot (``no overlap``) is left out; the looks' brackets do not count."""
+    rows = [
+        _row("bracket", 0, 1.0, n=4),
+        _row("halving", 5, 1.2, n=4),
+        [*_row("halving", 10, 3.0, n=4)[:4], [0.0, 1.7], *_row("halving", 10, 3.0, n=4)[5:]],  # costs 1.7 ms elsewhere
+        _row("bracket", 15, 1.1, n=4),
+        _row("bracket", 20, 5.0),  # 8 steps: a look's
+    ]
+    assert ln.look_less_brackets(rows, "halving") == (pytest.approx([0.1]), pytest.approx([0.2]))
