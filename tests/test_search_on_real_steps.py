@@ -672,23 +672,32 @@ def test_a_simulated_switch_sleeps_or_spins_and_switch_busy_reaches_the_gpu_job(
     trial_noise.simulated_switch(0.2, busy=True)
     assert calls == ["gc", "sync"] and clock[0] == pytest.approx(0.21)  # read until 0.2 s after its first read
 
+    cmd = _gpu_job(monkeypatch, "--switch-busy")
+    assert cmd[cmd.index("--idle-s") + 1] == "0.2" and "--switch-busy" in cmd
+
+
+def _gpu_job(monkeypatch, *flags: str) -> list[str]:
+    """The command ``main`` starts the GPU job with, given ``flags`` (it is not run)."""
+    got = []
+
     class Started(Exception):
         pass
 
     def start(cmd, *a, **k):
-        assert cmd[cmd.index("--idle-s") + 1] == "0.2" and "--switch-busy" in cmd
+        got.append(cmd)
         raise Started
 
-    monkeypatch.setattr(sys, "argv", [str(PATH), "--script", "pretrain_gpt.py", "--switch-busy"])
+    monkeypatch.setattr(sys, "argv", [str(PATH), "--script", "pretrain_gpt.py", *flags])
     monkeypatch.setattr(sr.subprocess, "run", start)
     with pytest.raises(Started):
         sr.main()
+    return got[0]
 
 
 def test_gc_off_pauses_automatic_collection_through_a_trials_steps_and_reaches_the_gpu_job(monkeypatch):
     """``--gc-off``: no automatic garbage collection while a trial's warm-up and measured steps run (where a
     collection lands moves a host-bound forward's time between its slots), enabled again after; a collector the
-    caller had disabled stays disabled."""
+    caller had disabled stays disabled. It reaches the GPU job, as ``--precedent-kinds`` does."""
     import gc
 
     seen = []
@@ -706,17 +715,9 @@ def test_gc_off_pauses_automatic_collection_through_a_trials_steps_and_reaches_t
         gc.enable()
     assert seen == [False, True, False] and gc.isenabled()
 
-    class Started(Exception):
-        pass
-
-    def start(cmd, *a, **k):
-        assert "--gc-off" in cmd
-        raise Started
-
-    monkeypatch.setattr(sys, "argv", [str(PATH), "--script", "pretrain_gpt.py", "--gc-off"])
-    monkeypatch.setattr(sr.subprocess, "run", start)
-    with pytest.raises(Started):
-        sr.main()
+    assert "--gc-off" in _gpu_job(monkeypatch, "--gc-off")
+    cmd = _gpu_job(monkeypatch, "--precedent", "2", "--precedent-kinds", "python", "other-first")
+    assert cmd[cmd.index("--precedent-kinds") :][:3] == ["--precedent-kinds", "python", "other-first"]
 
 
 def test_a_trial_on_real_steps_runs_its_warm_up_and_measured_steps_with_the_collector_paused(monkeypatch):
