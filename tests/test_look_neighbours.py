@@ -54,8 +54,8 @@ def test_lines_give_each_forward_slot_both_sides_and_the_final_decisions_reading
     ]
     run = {"seed": 3, "trace": {"proj.fwd": rows, "proj.bwd": rows, "qkv.fwd": rows[:3]}, "confirm_blocks": blocks}
     assert ln.lines([run]) == [
-        "seed 3 (defaults) proj.fwd: looks less the bracket next -0.400 +- 0.000 (n=2), before -0.300 +- 0.100 (n=2) ms;"
-        " final decision -0.600 ms"
+        "seed 3 (defaults) proj.fwd: looks less the bracket next -0.400 +- 0.000 (n=2), "
+        "before -0.300 +- 0.100 (n=2) ms; final decision -0.600 ms"
     ]
     assert ln.final_less_reference({"confirm_blocks": blocks[:3]}, rows) is None  # blocks and rows do not pair up
 

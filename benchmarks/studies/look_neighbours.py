@@ -3,13 +3,13 @@
     python benchmarks/studies/look_neighbours.py DIR_OR_JSON [...]
 
 Reads the ``trace`` of every ``search_on_real_steps.json`` under the paths (``--trace SLOT ...``: every trial of those
-slots) and gives, per forward slot and the traced forwards' sum: each look's level (its median ms less the
-delay put in) less that of the nearest bracket after it (``next``: at the defaults the one closing its call) and before
-it (``before``: the one that closed the call before, across the search's judging). A lead of place in the call (the
+slots) and gives, per forward slot and the traced forwards' sum: each look's level (its median ms less the delay put
+in) less that of the nearest bracket after it (``next``: at the defaults the one closing its call) and before it
+(``before``: the one that closed the call before, across the search's judging). A lead of place in the call (the
 trial right after the judging reads apart) shows in ``next`` only, or with opposite signs; a lead of the looks
-themselves shows in both alike. ``final``: where the final decision ran (``confirm_blocks``), its candidate's blocks less the reference's in
-the same slot: the same configs, read in quadruples of short blocks instead. Last, the racing's trials (4 steps, no
-delay put in any slot) against their brackets the same two ways.
+themselves shows in both alike. ``final``: where the final decision ran (``confirm_blocks``), its candidate's blocks
+less the reference's in the same slot: the same configs, read in quadruples of short blocks instead. Last, the
+racing's trials (4 steps, no delay put in any slot) against their brackets the same two ways.
 """
 
 from __future__ import annotations
@@ -67,6 +67,7 @@ def final_less_reference(run: dict, rows: list[list]) -> float | None:
 
 
 def lines(runs: list[dict]) -> list[str]:
+    """One line per run and forward slot with two looks or more on each side (the folder a run's JSON is in first)."""
     out = []
     for r in runs:
         for slot, rows in with_forward_sum(traces(r)).items():
@@ -85,8 +86,8 @@ def lines(runs: list[dict]) -> list[str]:
             )
             where = "/".join(Path(r["file"]).parent.parts[-2:]) + " " if "file" in r else ""  # call/gG
             out.append(
-                f"{where}seed {r.get('seed')} ({options_changed(r)}) {slot}: looks less the bracket next {_mean_se(after)}, "
-                f"before {_mean_se(before)} ms{tail}"
+                f"{where}seed {r.get('seed')} ({options_changed(r)}) {slot}: looks less the bracket "
+                f"next {_mean_se(after)}, before {_mean_se(before)} ms{tail}"
             )
     return out
 

@@ -133,9 +133,10 @@ class Delays:
 @contextlib.contextmanager
 def gc_paused(paused: bool) -> Iterator[None]:
     """With ``paused``, no automatic garbage collection inside (``gc.disable``; the next switch collects). A collection
-    lands where the allocations since the last one reach the threshold: on 2 x H200 a look read the forwards split
-    apart from its brackets, qkv.fwd about 1 ms over proj.fwd against about 0, trial for trial, where every config
-    cost the same (results/2026-11-30_h200x2g/), and the host's allocations before a trial differ by config."""
+    lands where the allocations since the last one reach the threshold, and the host's allocations before a trial
+    differ by config: could that split a look's forward apart from its brackets' (on 2 x H200 qkv.fwd about 1 ms over
+    proj.fwd against about 0, trial for trial, every config costing the same)? Paused, the first looks still read
+    qkv.fwd 1.0-1.7 ms over their brackets (results/2026-11-30_h200x2g/ gc1, one short search)."""
     if not paused or not gc.isenabled():
         yield
         return

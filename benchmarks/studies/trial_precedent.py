@@ -79,7 +79,7 @@ WORKS: dict[str, WorkKind] = {
     "none, no switch": WorkKind(lambda ms: None, switch=False),
     "python, no switch": WorkKind(_python, switch=False),
     # on 2 x H200 a look read the forwards apart from the brackets on both sides of it, where every config cost the
-    # same (results/2026-11-30_h200x2g/): is it the configs' order?
+    # same: is it the configs' order? Not away from a search (233 pairs, results/2026-11-30_h200x2g/ pr2)
     "other-first": WorkKind(_python, order="or"),  # after python work
     "other-second": WorkKind(_python, order="ro"),
 }
