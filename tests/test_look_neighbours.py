@@ -70,3 +70,19 @@ def test_the_racings_trials_are_set_against_brackets_of_their_length_where_no_sl
         _row("bracket", 20, 5.0),  # 8 steps: a look's
     ]
     assert ln.look_less_brackets(rows, "halving") == (pytest.approx([0.1]), pytest.approx([0.2]))
+
+
+def test_with_host_trace_a_line_also_sets_the_looks_host_ms_against_the_brackets():
+    """Rows with a 10th field (``--host-trace``): the host ms of the slot's module calls per step, looks against
+    brackets as their levels are; a forward sum's trace (``proj+qkv.fwd``) gets no host part."""
+    rows = [  # each row: after a switch (9th field), then its host ms per step
+        [*_row("bracket", 0, 1.0), True, 2.0],
+        [*_row("recheck", 9, 0.5, gap=10.0), True, 2.5],
+        [*_row("bracket", 18, 1.0), True, 2.0],
+        [*_row("recheck", 27, 0.5, gap=10.0), True, 2.9],
+        [*_row("bracket", 36, 1.0), True, 2.1],
+    ]
+    (line,) = ln.lines([{"seed": 5, "trace": {"qkv.fwd": rows}}])
+    assert line.endswith("; on the host: next +0.650 +- 0.150 (n=2), before +0.700 +- 0.200 (n=2)")
+    two = ln.lines([{"seed": 5, "trace": {"qkv.fwd": rows, "proj.fwd": rows}}])
+    assert len(two) == 3 and "on the host" not in two[2] and two[2].startswith("seed 5 (defaults) proj+qkv.fwd")

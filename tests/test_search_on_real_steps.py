@@ -697,7 +697,7 @@ def _gpu_job(monkeypatch, *flags: str) -> list[str]:
 def test_gc_off_pauses_automatic_collection_through_a_trials_steps_and_reaches_the_gpu_job(monkeypatch):
     """``--gc-off``: no automatic garbage collection while a trial's warm-up and measured steps run (where a
     collection lands moves a host-bound forward's time between its slots), enabled again after; a collector the
-    caller had disabled stays disabled. It reaches the GPU job, as ``--precedent-kinds`` does."""
+    caller had disabled stays disabled. It reaches the GPU job, as ``--host-trace`` and ``--precedent-kinds`` do."""
     import gc
 
     seen = []
@@ -715,7 +715,7 @@ def test_gc_off_pauses_automatic_collection_through_a_trials_steps_and_reaches_t
         gc.enable()
     assert seen == [False, True, False] and gc.isenabled()
 
-    assert "--gc-off" in _gpu_job(monkeypatch, "--gc-off")
+    assert "--gc-off" in _gpu_job(monkeypatch, "--gc-off") and "--host-trace" in _gpu_job(monkeypatch, "--host-trace")
     cmd = _gpu_job(monkeypatch, "--precedent", "2", "--precedent-kinds", "python", "other-first")
     assert cmd[cmd.index("--precedent-kinds") :][:3] == ["--precedent-kinds", "python", "other-first"]
 
@@ -746,3 +746,71 @@ def test_a_trial_on_real_steps_runs_its_warm_up_and_measured_steps_with_the_coll
         seen.clear()
         assert isinstance(real("config", 2, 1), Measurement)
         assert seen == [("switch", True), ("warm-up", not off), ("measured", not off)] and gc.isenabled()
+
+
+def test_host_trace_keeps_each_forward_slots_host_ms_per_step_in_the_traced_rows(monkeypatch):
+    """``--host-trace``: the put-in hooks time each forward module call on the host (pre-hook to forward hook; a fake
+    clock here, 1 ms per read), a call of RealSteps keeps them per measured step, and the trace rows carry them as a
+    10th field (forward slots only)."""
+    torch = pytest.importorskip("torch")
+    clock = [0.0]
+
+    def tick() -> float:
+        clock[0] += 0.001
+        return clock[0]
+
+    monkeypatch.setattr(sr.time, "perf_counter", tick)
+
+    class Module:  # overlap_modules' items: a module and its slots' prefix
+        def __init__(self, prefix: str) -> None:
+            self.module, self.slot_prefix = torch.nn.Linear(2, 2), prefix
+
+    mods = [Module("qkv"), Module("proj")]
+    delays = sr.Delays(mods, 1, 1.0)
+    x = torch.ones(1, 2)
+    mods[0].module(x)  # off: nothing kept
+    delays.host = {}
+    mods[0].module(x), mods[0].module(x), mods[1].module(x)
+    assert delays.host == {"qkv.fwd": pytest.approx(0.002), "proj.fwd": pytest.approx(0.001)}
+
+    class Traced(SimulatedReal):
+        def start(self, world) -> None:
+            super().start(world)
+            self.host_ms = []
+
+        def __call__(self, config, n, warmup):
+            self.host_ms.append({"proj.fwd": float(len(self.host_ms))})  # a stand-in: the call's index
+            return super().__call__(config, n, warmup)
+
+    rec = sr.one_search(Traced(), 1001, 0.04, variant="max_seconds=8", trace=("proj.fwd", "proj.bwd"))
+    fwd, bwd = rec["trace"]["proj.fwd"], rec["trace"]["proj.bwd"]
+    assert [len(r) for r in fwd] == [10] * len(fwd) and [r[9] for r in fwd] == [float(i) for i in range(len(fwd))]
+    assert {len(r) for r in bwd} == {9}
+
+
+def test_a_call_of_real_steps_keeps_its_forward_host_ms_per_measured_step_only_with_host_trace(monkeypatch):
+    import trial_noise
+
+    class Steps:
+        def step(self) -> None:  # a warm-up step: not counted
+            if delays.host is not None:
+                delays.host["qkv.fwd"] = 1.0
+
+    class Delays:
+        host = None
+
+        def set(self, slot_ms) -> None:
+            pass
+
+    monkeypatch.setattr(trial_noise, "simulated_switch", lambda idle_s, busy=False: None)
+    delays = Delays()
+    for on, kept in ((True, {"qkv.fwd": 3.0}), (False, None)):
+        real = sr.RealSteps(Steps(), [], None, delays, 0.0, 1.0, host_trace=on)
+        monkeypatch.setattr(real, "slot_excess_ms", lambda config: {})
+        monkeypatch.setattr(
+            real,
+            "_timed",
+            lambda n: (delays.host is not None and delays.host.update({"qkv.fwd": 0.006}), ({}, [1.0] * n))[1],
+        )
+        real("config", 2, 1)
+        assert real.host_ms == [kept] and delays.host is None

@@ -9,7 +9,8 @@ in) less that of the nearest bracket after it (``next``: at the defaults the one
 trial right after the judging reads apart) shows in ``next`` only, or with opposite signs; a lead of the looks
 themselves shows in both alike. ``final``: where the final decision ran (``confirm_blocks``), its candidate's blocks
 less the reference's in the same slot: the same configs, read in quadruples of short blocks instead. Last, the
-racing's trials (4 steps, no delay put in any slot) against their brackets the same two ways.
+racing's trials (4 steps, no delay put in any slot) against their brackets the same two ways, and with
+``--host-trace``, the host ms of the slot's module calls per step, looks against brackets the same two ways.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 
 from real_steps_bar import load_or_say, options_changed  # the study's own (this folder is on sys.path)
@@ -27,10 +29,22 @@ def _mean_se(v: list[float]) -> str:
     return f"{statistics.fmean(v):+.3f} +- {statistics.stdev(v) / math.sqrt(len(v)):.3f} (n={len(v)})"
 
 
-def look_less_brackets(rows: list[list], phase: str = "recheck") -> tuple[list[float], list[float]]:
+def level(row: list) -> float:
+    """A trial's level in its slot: its median ms less the delay put in."""
+    return row[2] - row[3]
+
+
+def host(row: list) -> float:
+    """The host ms per step of the slot's module calls (``--host-trace``: the rows' 10th field)."""
+    return row[9]
+
+
+def look_less_brackets(
+    rows: list[list], phase: str = "recheck", value: Callable[[list], float] = level
+) -> tuple[list[float], list[float]]:
     """Trace rows of one slot in the order run (``miss_trace``'s): per trial of ``phase`` (``recheck``: a look;
-    ``halving``: a racing trial, where no delay is put in any slot), (its level less the nearest bracket of the same
-    length after it, its level less the nearest one before it)."""
+    ``halving``: a racing trial, where no delay is put in any slot), (its ``value`` less that of the nearest bracket
+    of the same length after it, less that of the nearest one before it)."""
     mine = [len(x[5]) for x in rows if x[0] == phase]
     rows = [
         x
@@ -39,15 +53,15 @@ def look_less_brackets(rows: list[list], phase: str = "recheck") -> tuple[list[f
         and len(x[5]) == mine[0]
         and (x[0] == "bracket" or x[0] == phase and (phase == "recheck" or not any(x[4])))
     ]
-    level = [x[2] - x[3] for x in rows]
+    got = [value(x) for x in rows]
     brackets = [i for i, x in enumerate(rows) if x[0] == "bracket"]
     after, before = [], []
     for i, x in enumerate(rows):
         if x[0] == phase:
             if nxt := [j for j in brackets if j > i]:
-                after.append(level[i] - level[nxt[0]])
+                after.append(got[i] - got[nxt[0]])
             if prev := [j for j in brackets if j < i]:
-                before.append(level[i] - level[prev[-1]])
+                before.append(got[i] - got[prev[-1]])
     return after, before
 
 
@@ -66,24 +80,25 @@ def final_less_reference(run: dict, rows: list[list]) -> float | None:
     return statistics.fmean(mine) - statistics.fmean(ref)
 
 
+def _both(label: str, pair: tuple[list[float], list[float]]) -> str:
+    """ "; label: next ..., before ..." where each side has two differences or more, else ""."""
+    after, before = pair
+    return f"; {label}: next {_mean_se(after)}, before {_mean_se(before)}" if min(len(after), len(before)) > 1 else ""
+
+
 def lines(runs: list[dict]) -> list[str]:
     """One line per run and forward slot with two looks or more on each side (the folder a run's JSON is in first)."""
     out = []
     for r in runs:
         for slot, rows in with_forward_sum(traces(r)).items():
-            if not slot.endswith("fwd"):
-                continue
             after, before = look_less_brackets(rows)
-            if len(after) < 2 or len(before) < 2:
+            if not slot.endswith("fwd") or len(after) < 2 or len(before) < 2:
                 continue
             final = final_less_reference(r, rows)
-            racing = [v for v in look_less_brackets(rows, "halving") if len(v) > 1]
             tail = f"; final decision {final:+.3f} ms" if final is not None else ""
-            tail += (
-                f"; the racing's trials: next {_mean_se(racing[0])}, before {_mean_se(racing[1])}"
-                if len(racing) == 2
-                else ""
-            )
+            tail += _both("the racing's trials", look_less_brackets(rows, "halving"))
+            timed = all(len(x) > 9 for x in rows if x[0] in ("recheck", "bracket"))  # --host-trace's rows
+            tail += _both("on the host", look_less_brackets(rows, value=host)) if timed and "+" not in slot else ""
             where = "/".join(Path(r["file"]).parent.parts[-2:]) + " " if "file" in r else ""  # call/gG
             out.append(
                 f"{where}seed {r.get('seed')} ({options_changed(r)}) {slot}: looks less the bracket "

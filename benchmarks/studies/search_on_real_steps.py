@@ -88,7 +88,8 @@ class Delays:
     """A ``torch.cuda._sleep`` after each module's forward and after its backward, inside the ``SlotTimer``'s events
     (these hooks are registered first, the timer's per trial, and hooks run in registration order). How often each
     slot runs in a step is counted on real steps (:meth:`count`): a recomputed forward (activation recompute) runs
-    twice, and an MoE model's dense fc1/fc2 only in its dense layers."""
+    twice, and an MoE model's dense fc1/fc2 only in its dense layers. While ``host`` is a dict, each forward slot adds
+    the host seconds its module calls take to it (from a pre-hook to the forward hook: Python and kernel launches)."""
 
     def __init__(self, modules: list, calls_per_step: int, ms_per_cycle: float):
         from megatron_tp_overlap.engine.measure import _first_tensor, module_node
@@ -97,6 +98,8 @@ class Delays:
         self.calls, self.per_cycle = calls_per_step, ms_per_cycle
         self.slot_calls: dict[str, int] = {}  # slot -> calls per step, once counted
         self.counting: dict[str, int] | None = None
+        self.host: dict[str, float] | None = None  # slot -> host seconds in its module calls (``--host-trace``)
+        began: dict[str, float] = {}
         import torch
 
         def sleep(slot: str) -> None:
@@ -105,8 +108,18 @@ class Delays:
             if self.cycles.get(slot, 0) > 0:
                 torch.cuda._sleep(self.cycles[slot])
 
+        def pre(prefix: str):
+            def hook(module, args):
+                if self.host is not None:
+                    began[prefix] = time.perf_counter()
+
+            return hook
+
         def fwd(prefix: str):
             def hook(module, args, out):
+                if self.host is not None and prefix in began:
+                    slot = f"{prefix}.fwd"
+                    self.host[slot] = self.host.get(slot, 0.0) + time.perf_counter() - began.pop(prefix)
                 sleep(f"{prefix}.fwd")
                 t = _first_tensor(out)
                 node = module_node(t) if t is not None and t.requires_grad else None
@@ -116,6 +129,7 @@ class Delays:
             return hook
 
         for m in modules:
+            m.module.register_forward_pre_hook(pre(m.slot_prefix))
             m.module.register_forward_hook(fwd(m.slot_prefix))
 
     def count(self, step) -> dict[str, int]:
@@ -160,10 +174,13 @@ class RealSteps:
         scale: float,
         busy: bool = False,
         gc_off: bool = False,
+        host_trace: bool = False,
     ):
         self.steps, self.modules, self.topo, self.delays = steps, modules, topo, delays
         self.idle_s, self.scale, self.busy = idle_s, scale, busy  # busy: the switch spins (``--switch-busy``)
         self.gc_off = gc_off  # no automatic garbage collection through a trial's steps (``--gc-off``)
+        self.host_trace = host_trace  # per call, the host ms of each forward slot per step (``--host-trace``)
+        self.host_ms: list[dict[str, float] | None] = []
         self.world, self.live, self.t0, self.switches = None, None, 0.0, 0
         self.gaps_ms: list[float] = []  # per call, the host ms since the last call ended: the search's own work
         self.switched: list[bool] = []  # per call, whether a simulated switch came first
@@ -171,7 +188,7 @@ class RealSteps:
 
     def start(self, world) -> None:
         self.world, self.live, self.t0, self.switches = world, None, time.perf_counter(), 0
-        self.gaps_ms, self.switched, self.ended = [], [], self.t0
+        self.gaps_ms, self.switched, self.ended, self.host_ms = [], [], self.t0, []
 
     def slot_excess_ms(self, config) -> dict[str, float]:
         """A GEMM's excess spread over the slots it runs in (a shared expert runs fc1/fc2's configs): the step's
@@ -235,7 +252,10 @@ class RealSteps:
         with gc_paused(self.gc_off):
             for _ in range(warmup):
                 self.steps.step()
+            self.delays.host = {} if self.host_trace else None
             slot_ms, step_ms = self._timed(n)
+        host, self.delays.host = self.delays.host, None
+        self.host_ms.append({s: round(1000 * v / max(n, 1), 4) for s, v in host.items()} if host is not None else None)
         now = self.ended = time.perf_counter()
         return Measurement(slot_ms, step_ms, now - self.t0, n + warmup, now - t)
 
@@ -456,26 +476,35 @@ def one_search(
             s: {k: v if isinstance(v, (int, float)) or k == "runners_up" else len(v) for k, v in c.items()}
             for s, c in res.coverage.items()
         },
-        "miss_trace": miss_trace(res.trials, traced, real.slot_excess_ms, real.gaps_ms, getattr(real, "switched", None))
+        "miss_trace": miss_trace(res.trials, traced, real.slot_excess_ms, *trial_context(real))
         if false_winner or realized is not None and realized < 0.999
         else None,
         # ``--trace``: the same rows for these slots in every search, whatever its outcome (trial_precedent.py)
-        "trace": miss_trace(res.trials, list(trace), real.slot_excess_ms, real.gaps_ms, getattr(real, "switched", None))
-        if trace
-        else None,
+        "trace": miss_trace(res.trials, list(trace), real.slot_excess_ms, *trial_context(real)) if trace else None,
         # per slot the chosen config leaves a delay in, what that delay shows at its size after the search
         **(miss_checks(real, pick, missed, options) if missed else dict.fromkeys(MISS_CHECKS, {})),
     }
 
 
+def trial_context(real) -> tuple[list | None, list | None, list | None]:
+    """What ``real`` kept per call besides the measurement: (host gaps before it, switched, forward host ms)."""
+    return real.gaps_ms, getattr(real, "switched", None), getattr(real, "host_ms", None)
+
+
 def miss_trace(
-    trials: list, slots: list[str], excess_ms, gaps_ms: list[float] | None = None, switched: list[bool] | None = None
+    trials: list,
+    slots: list[str],
+    excess_ms,
+    gaps_ms: list[float] | None = None,
+    switched: list[bool] | None = None,
+    host_ms: list[dict[str, float] | None] | None = None,
 ) -> dict[str, list[list]]:
     """Per slot in ``slots``, every measured trial as [phase, position (steps), the slot's median ms, the delay put
     in for the trial's config (ms), the delays put in every slot (ms, in the order of the JSON's ``slots``), the
     slot's ms per measured step, the rest of the step's (step minus every slot) ms per measured step, and, where
     ``gaps_ms`` has one per trial, the host ms between the trial before and this one (the search's own work;
-    ``trial_precedent.py``), and then, where ``switched`` has one per trial too, whether a switch came first]: kept
+    ``trial_precedent.py``), and then, where ``switched`` has one per trial too, whether a switch came first, and
+    then, where ``host_ms`` has the slot (``--host-trace``), the host ms of its module calls per step]: kept
     for a seed that left a gain or named a false winner, so that its JSON tells a look that read noise from one that
     could not see a put-in cost (FP8 seed 21304 on 4 x H100 left a 0.32 ms proj_fprop gain, re-measured once, and a
     rerun took it: benchmarks/results/2026-11-26_h100x4c/), and whether the other slots' delays move the slot's own
@@ -483,7 +512,8 @@ def miss_trace(
     out: dict[str, list[list]] = {s: [] for s in slots}
     gaps = gaps_ms if gaps_ms is not None and len(gaps_ms) == len(trials) else [None] * len(trials)
     flags = switched if switched is not None and len(switched) == len(trials) else [None] * len(trials)
-    for t, gap, flag in zip(trials, gaps, flags):
+    hosts = host_ms if host_ms is not None and len(host_ms) == len(trials) else [None] * len(trials)
+    for t, gap, flag, host in zip(trials, gaps, flags, hosts):
         if t.error:
             continue
         put_in = excess_ms(t.config)
@@ -493,7 +523,9 @@ def miss_trace(
                 steps = [round(v, 4) for v in t.slot_samples.get(s, [])]
                 rest = [round(v, 4) for v in t.rest_samples]  # host_modes.py reads both
                 row = [t.phase, int(t.position), round(t.slot_ms[s], 4), round(put_in[s], 4), every, steps, rest]
-                out[s].append(row + ([gap] if gap is not None else []) + ([flag] if None not in (gap, flag) else []))
+                row += [gap] if gap is not None else []
+                row += [flag] if None not in (gap, flag) else []
+                out[s].append(row + ([host[s]] if None not in (gap, flag, host) and s in host else []))
     return out
 
 
@@ -583,6 +615,7 @@ def inner(
     trace: tuple[str, ...] = (),
     switch_busy: bool = False,
     gc_off: bool = False,
+    host_trace: bool = False,
 ) -> None:
     import megatron.training.training as training
     import torch
@@ -611,7 +644,7 @@ def inner(
             steps.step()
         calls = delays.count(steps.step)
         step_ms = statistics.median(gpu_ms(steps.step) for _ in range(10))
-        real = RealSteps(steps, modules, topo, delays, idle_s, step_ms / sim.STEP_MS, switch_busy, gc_off)
+        real = RealSteps(steps, modules, topo, delays, idle_s, step_ms / sim.STEP_MS, switch_busy, gc_off, host_trace)
         result = {"megatron_args": argv[1:], "step_ms": step_ms, "ms_per_cycle": delays.per_cycle, "idle_s": idle_s}
         result["switch_busy"], result["gc_off"] = switch_busy, gc_off
         result["trial_microbatches"] = steps.n_mb
@@ -747,6 +780,11 @@ def main() -> None:
     p.add_argument(
         "--gc-off", action="store_true", help="no automatic garbage collection through each trial's steps (gc_paused)"
     )
+    p.add_argument(
+        "--host-trace",
+        action="store_true",
+        help="traced trials also keep the host ms of each forward slot's module calls per step (Delays.host)",
+    )
     p.add_argument("--first-seed", type=int, default=1000)
     p.add_argument(
         "--repeat", type=int, default=1, help="search each world this many times in a row (the worst world, again)"
@@ -879,6 +917,7 @@ def main() -> None:
             tuple(a.trace),
             a.switch_busy,
             a.gc_off,
+            a.host_trace,
         )
         return
     from megatron_autotune import FP8_ARGS, one_gpu_args, parse_model_shape
@@ -896,6 +935,7 @@ def main() -> None:
     cmd += ["--precedent-kinds", *a.precedent_kinds] if a.precedent_kinds else []
     cmd += ["--switch-busy"] if a.switch_busy else []
     cmd += ["--gc-off"] if a.gc_off else []
+    cmd += ["--host-trace"] if a.host_trace else []
     variants = a.variants + [f"select_passes={n}" for n in a.select_passes]
     for v in variants:
         try:
