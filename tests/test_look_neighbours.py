@@ -86,3 +86,21 @@ def test_with_host_trace_a_line_also_sets_the_looks_host_ms_against_the_brackets
     assert line.endswith("; on the host: next +0.650 +- 0.150 (n=2), before +0.700 +- 0.200 (n=2)")
     two = ln.lines([{"seed": 5, "trace": {"qkv.fwd": rows, "proj.fwd": rows}}])
     assert len(two) == 3 and "on the host" not in two[2] and two[2].startswith("seed 5 (defaults) proj+qkv.fwd")
+
+
+def test_split_lines_give_how_each_kind_of_trial_splits_the_attention_forward():
+    """qkv.fwd less proj.fwd, trial for trial: looks after the judging (a gap of 2 ms or more) and after a look
+    apart, the looks' brackets, the racing's trials without a delay (one with a delay left out), the final decision's
+    blocks; the 1-step screening counts nowhere."""
+    kinds = [("screen", 1, 9.0), ("halving", 4, 0.1), ("halving", 4, 0.3), ("bracket", 8, 0.1), ("recheck", 8, 20.0)]
+    kinds += [("recheck", 8, 1.0), ("bracket", 8, 0.1), ("confirm", 3, 0.1)]
+    qkv = [_row(k, i, 3.0, n=n, gap=g) for i, (k, n, g) in enumerate(kinds)]
+    proj = [
+        _row(k, i, ms, n=n, gap=g) for i, ((k, n, g), ms) in enumerate(zip(kinds, [9, 3.1, 9, 3.0, 2.0, 1.5, 3.2, 2.9]))
+    ]
+    qkv[2][4] = proj[2][4] = [1.7]  # a delay put in: left out
+    (line,) = ln.split_lines([{"seed": 2, "trace": {"qkv.fwd": qkv, "proj.fwd": proj}}])
+    assert line == (
+        "seed 2 (defaults) qkv.fwd less proj.fwd, ms: looks after the judging +1.00 (n=1); looks after a look +1.50 "
+        "(n=1); brackets -0.10 (n=2); racing's trials -0.10 (n=1); final decision's blocks +0.10 (n=1)"
+    )

@@ -10,7 +10,8 @@ trial right after the judging reads apart) shows in ``next`` only, or with oppos
 themselves shows in both alike. ``final``: where the final decision ran (``confirm_blocks``), its candidate's blocks
 less the reference's in the same slot: the same configs, read in quadruples of short blocks instead. Last, the
 racing's trials (4 steps, no delay put in any slot) against their brackets the same two ways, and with
-``--host-trace``, the host ms of the slot's module calls per step, looks against brackets the same two ways.
+``--host-trace``, the host ms of the slot's module calls per step, looks against brackets the same two ways. Then,
+per run, how each kind of trial splits the attention forward between ``qkv.fwd`` and ``proj.fwd``.
 """
 
 from __future__ import annotations
@@ -107,11 +108,53 @@ def lines(runs: list[dict]) -> list[str]:
     return out
 
 
+SPLIT_KINDS = (
+    "looks after the judging",
+    "looks after a look",
+    "brackets",
+    "racing's trials",
+    "final decision's blocks",
+)
+
+
+def split_kind(row: list, look_steps: int, work_ms: float = 2.0) -> str | None:
+    """Which of :data:`SPLIT_KINDS` a trace row is: a look after a host gap of ``work_ms`` or more (the search's
+    judging) or after another look, a bracket of the looks' length, a racing trial with no delay put in any slot, a
+    block of the final decision; None for any other."""
+    if row[0] == "recheck" and len(row) > 7:
+        return SPLIT_KINDS[0] if row[7] >= work_ms else SPLIT_KINDS[1]
+    if row[0] == "bracket" and len(row[5]) == look_steps:
+        return SPLIT_KINDS[2]
+    if row[0] == "halving" and not any(row[4]):
+        return SPLIT_KINDS[3]
+    return SPLIT_KINDS[4] if row[0] == "confirm" else None
+
+
+def split_lines(runs: list[dict]) -> list[str]:
+    """Per run tracing both ``qkv.fwd`` and ``proj.fwd``, trial for trial: how each kind of trial
+    (:func:`split_kind`) splits the attention forward, ``qkv.fwd`` less ``proj.fwd`` (ms, mean over its trials)."""
+    out = []
+    for r in runs:
+        t = traces(r)
+        if "qkv.fwd" not in t or "proj.fwd" not in t or len(t["qkv.fwd"]) != len(t["proj.fwd"]):
+            continue
+        looks = [len(q[5]) for q in t["qkv.fwd"] if q[0] == "recheck"]
+        by: dict[str, list[float]] = {}
+        for q, p in zip(t["qkv.fwd"], t["proj.fwd"]):
+            if kind := split_kind(q, looks[0] if looks else 0):
+                by.setdefault(kind, []).append(q[2] - p[2])
+        got = [f"{k} {statistics.fmean(by[k]):+.2f} (n={len(by[k])})" for k in SPLIT_KINDS if k in by]
+        where = "/".join(Path(r["file"]).parent.parts[-2:]) + " " if "file" in r else ""
+        out.append(f"{where}seed {r.get('seed')} ({options_changed(r)}) qkv.fwd less proj.fwd, ms: " + "; ".join(got))
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("paths", nargs="+", help="search_on_real_steps.json files or folders holding them")
     a = p.parse_args(argv)
-    print("\n".join(lines(load_or_say(a.paths))))
+    runs = load_or_say(a.paths)
+    print("\n".join(lines(runs) + split_lines(runs)))
 
 
 if __name__ == "__main__":
