@@ -137,3 +137,10 @@ def test_pairs_of_a_run_cut_short_are_read_from_its_log(tmp_path, capsys):
     tp.main(["--pairs", str(log)])
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("2 pairs") and out[3] == "| qkv.fwd | -0.4000 +- 0.1000 |"
+
+
+def test_pairs_from_a_log_that_is_not_there_get_one_line_and_exit_2(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        tp.main(["--pairs", str(tmp_path / "g9.log")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and err == [f"--pairs {tmp_path / 'g9.log'}: no such log"]

@@ -735,6 +735,8 @@ def test_a_trial_on_real_steps_runs_its_warm_up_and_measured_steps_with_the_coll
             seen.append(("warm-up", gc.isenabled()))
 
     class Delays:
+        host_trace = False
+
         def set(self, slot_ms) -> None:
             seen.append(("switch", gc.isenabled()))
 
@@ -750,8 +752,8 @@ def test_a_trial_on_real_steps_runs_its_warm_up_and_measured_steps_with_the_coll
 
 def test_host_trace_keeps_each_forward_slots_host_ms_per_step_in_the_traced_rows(monkeypatch):
     """``--host-trace``: the put-in hooks time each forward module call on the host (pre-hook to forward hook; a fake
-    clock here, 1 ms per read), a call of RealSteps keeps them per measured step, and the trace rows carry them as a
-    10th field (forward slots only)."""
+    clock here, 1 ms per read; no pre-hook without it), a call of RealSteps keeps them per measured step, and the
+    trace rows carry them as a 10th field (forward slots only)."""
     torch = pytest.importorskip("torch")
     clock = [0.0]
 
@@ -765,8 +767,11 @@ def test_host_trace_keeps_each_forward_slots_host_ms_per_step_in_the_traced_rows
         def __init__(self, prefix: str) -> None:
             self.module, self.slot_prefix = torch.nn.Linear(2, 2), prefix
 
+    plain = Module("qkv")
+    sr.Delays([plain], 1, 1.0)
+    assert not plain.module._forward_pre_hooks  # without --host-trace the study's forwards run as before
     mods = [Module("qkv"), Module("proj")]
-    delays = sr.Delays(mods, 1, 1.0)
+    delays = sr.Delays(mods, 1, 1.0, host_trace=True)
     x = torch.ones(1, 2)
     mods[0].module(x)  # off: nothing kept
     delays.host = {}
@@ -805,7 +810,8 @@ def test_a_call_of_real_steps_keeps_its_forward_host_ms_per_measured_step_only_w
     monkeypatch.setattr(trial_noise, "simulated_switch", lambda idle_s, busy=False: None)
     delays = Delays()
     for on, kept in ((True, {"qkv.fwd": 3.0}), (False, None)):
-        real = sr.RealSteps(Steps(), [], None, delays, 0.0, 1.0, host_trace=on)
+        delays.host_trace = on
+        real = sr.RealSteps(Steps(), [], None, delays, 0.0, 1.0)
         monkeypatch.setattr(real, "slot_excess_ms", lambda config: {})
         monkeypatch.setattr(
             real,

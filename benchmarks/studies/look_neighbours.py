@@ -23,7 +23,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 from real_steps_bar import load_or_say, options_changed  # the study's own (this folder is on sys.path)
-from trial_precedent import traces, with_forward_sum
+from trial_precedent import WORK_MS, traces, with_forward_sum
+
+
+def _run_name(r: dict) -> str:
+    """The run as ``call/gG seed S (variant)``: the folder its JSON was read from, its seed and variant."""
+    where = "/".join(Path(r["file"]).parent.parts[-2:]) + " " if "file" in r else ""
+    return f"{where}seed {r.get('seed')} ({options_changed(r)})"
 
 
 def _mean_se(v: list[float]) -> str:
@@ -82,7 +88,7 @@ def final_less_reference(run: dict, rows: list[list]) -> float | None:
 
 
 def _both(label: str, pair: tuple[list[float], list[float]]) -> str:
-    """ "; label: next ..., before ..." where each side has two differences or more, else ""."""
+    """The text ``; label: next ..., before ...`` where each side has two differences or more, else nothing."""
     after, before = pair
     return f"; {label}: next {_mean_se(after)}, before {_mean_se(before)}" if min(len(after), len(before)) > 1 else ""
 
@@ -100,9 +106,8 @@ def lines(runs: list[dict]) -> list[str]:
             tail += _both("the racing's trials", look_less_brackets(rows, "halving"))
             timed = all(len(x) > 9 for x in rows if x[0] in ("recheck", "bracket"))  # --host-trace's rows
             tail += _both("on the host", look_less_brackets(rows, value=host)) if timed and "+" not in slot else ""
-            where = "/".join(Path(r["file"]).parent.parts[-2:]) + " " if "file" in r else ""  # call/gG
             out.append(
-                f"{where}seed {r.get('seed')} ({options_changed(r)}) {slot}: looks less the bracket "
+                f"{_run_name(r)} {slot}: looks less the bracket "
                 f"next {_mean_se(after)}, before {_mean_se(before)} ms{tail}"
             )
     return out
@@ -117,7 +122,7 @@ SPLIT_KINDS = (
 )
 
 
-def split_kind(row: list, look_steps: int, work_ms: float = 2.0) -> str | None:
+def split_kind(row: list, look_steps: int, work_ms: float = WORK_MS) -> str | None:
     """Which of :data:`SPLIT_KINDS` a trace row is: a look after a host gap of ``work_ms`` or more (the search's
     judging) or after another look, a bracket of the looks' length, a racing trial with no delay put in any slot, a
     block of the final decision; None for any other."""
@@ -144,8 +149,7 @@ def split_lines(runs: list[dict]) -> list[str]:
             if kind := split_kind(q, looks[0] if looks else 0):
                 by.setdefault(kind, []).append(q[2] - p[2])
         got = [f"{k} {statistics.fmean(by[k]):+.2f} (n={len(by[k])})" for k in SPLIT_KINDS if k in by]
-        where = "/".join(Path(r["file"]).parent.parts[-2:]) + " " if "file" in r else ""
-        out.append(f"{where}seed {r.get('seed')} ({options_changed(r)}) qkv.fwd less proj.fwd, ms: " + "; ".join(got))
+        out.append(f"{_run_name(r)} qkv.fwd less proj.fwd, ms: " + "; ".join(got))
     return out
 
 

@@ -88,16 +88,18 @@ class Delays:
     """A ``torch.cuda._sleep`` after each module's forward and after its backward, inside the ``SlotTimer``'s events
     (these hooks are registered first, the timer's per trial, and hooks run in registration order). How often each
     slot runs in a step is counted on real steps (:meth:`count`): a recomputed forward (activation recompute) runs
-    twice, and an MoE model's dense fc1/fc2 only in its dense layers. While ``host`` is a dict, each forward slot adds
-    the host seconds its module calls take to it (from a pre-hook to the forward hook: Python and kernel launches)."""
+    twice, and an MoE model's dense fc1/fc2 only in its dense layers. With ``host_trace`` (``--host-trace``; no
+    pre-hook otherwise), while ``host`` is a dict each forward slot adds the host seconds its module calls take to it
+    (from a pre-hook to the forward hook: Python and kernel launches)."""
 
-    def __init__(self, modules: list, calls_per_step: int, ms_per_cycle: float):
+    def __init__(self, modules: list, calls_per_step: int, ms_per_cycle: float, host_trace: bool = False):
         from megatron_tp_overlap.engine.measure import _first_tensor, module_node
 
         self.cycles: dict[str, int] = {}  # slot ("qkv.fwd") -> cycles per call
         self.calls, self.per_cycle = calls_per_step, ms_per_cycle
         self.slot_calls: dict[str, int] = {}  # slot -> calls per step, once counted
         self.counting: dict[str, int] | None = None
+        self.host_trace = host_trace
         self.host: dict[str, float] | None = None  # slot -> host seconds in its module calls (``--host-trace``)
         began: dict[str, float] = {}
         import torch
@@ -129,7 +131,8 @@ class Delays:
             return hook
 
         for m in modules:
-            m.module.register_forward_pre_hook(pre(m.slot_prefix))
+            if host_trace:
+                m.module.register_forward_pre_hook(pre(m.slot_prefix))
             m.module.register_forward_hook(fwd(m.slot_prefix))
 
     def count(self, step) -> dict[str, int]:
@@ -174,12 +177,10 @@ class RealSteps:
         scale: float,
         busy: bool = False,
         gc_off: bool = False,
-        host_trace: bool = False,
     ):
         self.steps, self.modules, self.topo, self.delays = steps, modules, topo, delays
         self.idle_s, self.scale, self.busy = idle_s, scale, busy  # busy: the switch spins (``--switch-busy``)
         self.gc_off = gc_off  # no automatic garbage collection through a trial's steps (``--gc-off``)
-        self.host_trace = host_trace  # per call, the host ms of each forward slot per step (``--host-trace``)
         self.host_ms: list[dict[str, float] | None] = []
         self.world, self.live, self.t0, self.switches = None, None, 0.0, 0
         self.gaps_ms: list[float] = []  # per call, the host ms since the last call ended: the search's own work
@@ -252,7 +253,7 @@ class RealSteps:
         with gc_paused(self.gc_off):
             for _ in range(warmup):
                 self.steps.step()
-            self.delays.host = {} if self.host_trace else None
+            self.delays.host = {} if self.delays.host_trace else None  # per call, its forward slots' host ms
             slot_ms, step_ms = self._timed(n)
         host, self.delays.host = self.delays.host, None
         self.host_ms.append({s: round(1000 * v / max(n, 1), 4) for s, v in host.items()} if host is not None else None)
@@ -639,12 +640,12 @@ def inner(
         assert topo.active == sim.TOPO.active, (topo, sim.TOPO)  # the world's 12 GEMMs all run somewhere
         if topo.slots() == sim.TOPO.slots():
             topo = dataclasses.replace(sim.TOPO, layers=topo.layers)
-        delays = Delays(modules, topo.layers * steps.n_mb, sleep_ms_per_cycle())
+        delays = Delays(modules, topo.layers * steps.n_mb, sleep_ms_per_cycle(), host_trace)
         for _ in range(10):
             steps.step()
         calls = delays.count(steps.step)
         step_ms = statistics.median(gpu_ms(steps.step) for _ in range(10))
-        real = RealSteps(steps, modules, topo, delays, idle_s, step_ms / sim.STEP_MS, switch_busy, gc_off, host_trace)
+        real = RealSteps(steps, modules, topo, delays, idle_s, step_ms / sim.STEP_MS, switch_busy, gc_off)
         result = {"megatron_args": argv[1:], "step_ms": step_ms, "ms_per_cycle": delays.per_cycle, "idle_s": idle_s}
         result["switch_busy"], result["gc_off"] = switch_busy, gc_off
         result["trial_microbatches"] = steps.n_mb

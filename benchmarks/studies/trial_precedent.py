@@ -28,6 +28,7 @@ import dataclasses
 import json
 import math
 import statistics
+import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -388,9 +389,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     a = p.parse_args(argv)
     if a.pairs:
-        pairs = [
-            json.loads(x.split(" ", 1)[1]) for f in a.pairs for x in Path(f).open() if x.startswith("[precedent] {")
-        ]
+        if missing := [f for f in a.pairs if not Path(f).is_file()]:
+            print(f"--pairs {missing[0]}: no such log", file=sys.stderr)
+            sys.exit(2)
+        lines = [x for f in a.pairs for x in Path(f).read_text(errors="replace").splitlines()]
+        pairs = [json.loads(x.split(" ", 1)[1]) for x in lines if x.startswith("[precedent] {")]
         print(f"{len(pairs)} pairs of trials, the first right after the work, the second right after it")
         print("\n".join(summary_lines(summarize(pairs)) + pooled_lines(pairs)))
         if not a.paths:
