@@ -52,6 +52,9 @@ cat "/tmp/$NAME/status.txt"
 python3 benchmarks/studies/real_steps_bar.py /tmp/"$NAME"/g*/ 2>&1 | tee "/tmp/$NAME/bar.md"
 python3 benchmarks/studies/trial_precedent.py /tmp/"$NAME"/g*/ 2>&1 | tee "/tmp/$NAME/precedent.md"
 python3 benchmarks/studies/look_neighbours.py /tmp/"$NAME"/g*/ 2>&1 | tee -a "/tmp/$NAME/precedent.md"
-cp -r "/tmp/$NAME" "$OUT/"
+python3 benchmarks/studies/look_replay.py /tmp/"$NAME"/g*/ 2>&1 | tee -a "/tmp/$NAME/precedent.md"
+# at most 8 files come back from $OUT (ht1 lost g1's JSON so): the folder as one tar, the tables beside it
+tar -C /tmp -cf - "$NAME" | xz -1 > "$OUT/$NAME.tar.xz"
+cp "/tmp/$NAME/status.txt" "/tmp/$NAME/bar.md" "/tmp/$NAME/precedent.md" "$OUT/"
 for LOG in /tmp/"$NAME"/g*.log; do echo "== $LOG"; grep -v "^  \|\[search_on_real_steps\] {" "$LOG" | tail -25; done
 cat "/tmp/$NAME/status.txt"  # again, last: the returned tail is the output's last 12,000 characters (sr46 lost these)

@@ -381,7 +381,14 @@ def slot_gains(real, ref, best, chosen) -> dict[str, list[float]]:
 
 
 def one_search(
-    real: RealSteps, seed: int, gain: float, preset: bool = False, variant: str = "", trace: tuple[str, ...] = ()
+    real: RealSteps,
+    seed: int,
+    gain: float,
+    preset: bool = False,
+    variant: str = "",
+    trace: tuple[str, ...] = (),
+    replay: tuple[str, ...] = (),
+    deadline: float = math.inf,
 ) -> dict:
     from megatron_tp_overlap.engine import heap
     from megatron_tp_overlap.engine.search import Searcher, SearchOptions
@@ -404,6 +411,13 @@ def one_search(
     with heap.frozen():  # as tuning does
         say = lambda line: print(f"[seed {seed}] {line}", flush=True)  # noqa: E731 - the search's own lines
         res = Searcher(real.topo, space, real, sim.CTX, options, log=say).run(ref, baselines)
+        replayed = []
+        if replay:  # the looks again, the search's heap and objects as they were (look_replay.py)
+            import look_replay
+
+            n = len(res.trials)
+            replayed = look_replay.searched(res.trials, real.gaps_ms[:n], real.host_ms[:n])
+            replayed += look_replay.replay(real, res.trials, real.gaps_ms[:n], replay, options.warmup_steps, deadline)
     on_steps += [gain_on_steps(real, ref, best)] if gain > 0 else []
     ref_ms, chosen_ms = world.step_ms(ref), world.step_ms(res.best)
     best_ms = world.step_ms(best)
@@ -484,6 +498,7 @@ def one_search(
         "trace": miss_trace(res.trials, list(trace), real.slot_excess_ms, *trial_context(real)) if trace else None,
         # per slot the chosen config leaves a delay in, what that delay shows at its size after the search
         **(miss_checks(real, pick, missed, options) if missed else dict.fromkeys(MISS_CHECKS, {})),
+        "look_replay": replayed or None,  # ``--replay-looks`` (look_replay.py)
     }
 
 
@@ -617,6 +632,7 @@ def inner(
     switch_busy: bool = False,
     gc_off: bool = False,
     host_trace: bool = False,
+    replay: tuple[str, ...] = (),
 ) -> None:
     import megatron.training.training as training
     import torch
@@ -695,7 +711,7 @@ def inner(
             for v in order * repeat:
                 if time.perf_counter() - t_start > 60 * minutes:
                     break
-                rec = one_search(real, first_seed + i, gain, preset, v, trace)
+                rec = one_search(real, first_seed + i, gain, preset, v, trace, replay, t_start + 60 * minutes)
                 rec["wall_s"] = round(time.perf_counter() - t_start, 1)
                 result["runs"].append(rec)
                 print(f"[search_on_real_steps] {json.dumps(rec)}", flush=True)
@@ -868,6 +884,14 @@ def main() -> None:
         metavar="SLOT",
         help="keep every trial of these slots in every search (``trace``, as ``miss_trace``), e.g. qkv.fwd proj.fwd",
     )
+    p.add_argument(
+        "--replay-looks",
+        nargs="+",
+        default=[],
+        metavar="VARIANT",
+        help="after each search, replay its looks per call in these variants until --minutes (look_replay.py: "
+        "same, incumbent, swap)",
+    )
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     add_trial_microbatches(p)
     p.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
@@ -898,6 +922,11 @@ def main() -> None:
     if a.repeat < 1:
         print(f"--repeat {a.repeat}: must be at least 1 (searches of each world)", file=sys.stderr)
         sys.exit(2)
+    from look_replay import VARIANTS
+
+    if unknown := [v for v in a.replay_looks if v not in VARIANTS]:
+        print(f"--replay-looks {unknown[0]!r}: not a variant; variants are {', '.join(VARIANTS)}", file=sys.stderr)
+        sys.exit(2)
     out = Path(a.out)
     if a.inner:
         inner(
@@ -919,6 +948,7 @@ def main() -> None:
             a.switch_busy,
             a.gc_off,
             a.host_trace,
+            tuple(a.replay_looks),
         )
         return
     from megatron_autotune import FP8_ARGS, one_gpu_args, parse_model_shape
@@ -937,6 +967,7 @@ def main() -> None:
     cmd += ["--switch-busy"] if a.switch_busy else []
     cmd += ["--gc-off"] if a.gc_off else []
     cmd += ["--host-trace"] if a.host_trace else []
+    cmd += ["--replay-looks", *a.replay_looks] if a.replay_looks else []
     variants = a.variants + [f"select_passes={n}" for n in a.select_passes]
     for v in variants:
         try:
