@@ -158,3 +158,18 @@ def test_an_unknown_replay_variant_is_one_line_and_exit_2_before_any_gpu_work():
     assert r.stderr.strip().splitlines() == [
         "--replay-looks 'mirror': not a variant; variants are same, incumbent, swap"
     ]
+
+
+def test_os_lines_give_the_threads_time_switches_and_cores_per_kind_of_trial():
+    def rec(variant, phase, cores, user):
+        os = {"cores": cores, "wall_ms": 50.0, "user_ms": user, "sys_ms": 2.0, "vcsw": 3, "ivcsw": 1}
+        os["cpu_ms"] = {"qkv.fwd": 1.8, "proj.fwd": 1.4}
+        host = {"qkv.fwd": 2.0, "proj.fwd": 1.5}
+        return {"variant": variant, "phase": phase, "unit": 0, "i": 0, "slot_ms": {}, "host_ms": host, "os": os}
+
+    lines = lr.os_lines([rec("search", "recheck", [3, 4], 40.0), rec("search", "recheck", [5, 5], 42.0)])
+    assert lines == [
+        "search looks (2): wall 50.00, user 41.00, sys 2.00 ms per step; switches 3.0 / 1.0; moved core 1; "
+        "cores [3, 4, 5]; qkv.fwd cpu 1.80 of host 2.00; proj.fwd cpu 1.40 of host 1.50"
+    ]
+    assert lr.os_lines([rec("same", "bracket", [1, 1], 40.0) | {"os": None}]) == []

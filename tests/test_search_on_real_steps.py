@@ -3,6 +3,7 @@ and a search's record is scored against the truth (a simulated run stands in for
 
 import importlib.util
 import json
+import os
 import random
 import statistics
 import sys
@@ -820,3 +821,22 @@ def test_a_call_of_real_steps_keeps_its_forward_host_ms_per_measured_step_only_w
         )
         real("config", 2, 1)
         assert real.host_ms == [kept] and delays.host is None
+        # ... and the thread's core and counters over the measured steps, with the same switch
+        assert (real.os_stats[0] or {}).keys() == (
+            {"cores", "wall_ms", "user_ms", "sys_ms", "vcsw", "ivcsw", "cpu_ms"} if on else set()
+        )
+
+
+def test_os_delta_gives_a_trials_cpu_time_and_switches_per_step_against_the_wall():
+    before = {"core": 3, "user": 1.0, "sys": 0.5, "vcsw": 10, "ivcsw": 2}
+    after = {"core": 7, "user": 1.012, "sys": 0.504, "vcsw": 14, "ivcsw": 5}
+    assert sr.os_delta(before, after, 0.020, 4) == {
+        "cores": [3, 7],
+        "wall_ms": 5.0,
+        "user_ms": 3.0,
+        "sys_ms": 1.0,
+        "vcsw": 4,
+        "ivcsw": 3,
+    }
+    now = sr.thread_os()  # this thread's, on Linux
+    assert now["core"] in os.sched_getaffinity(0) and now["user"] >= 0 and now["ivcsw"] >= 0

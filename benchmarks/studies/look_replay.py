@@ -89,7 +89,7 @@ def replay(
     variant (module docstring) until ``deadline`` (``time.perf_counter()``); ``real``'s per-call lists and switch
     count are left as the search left them. Per trial: its unit, index, phase, variant, per forward slot the median
     ms, and the host ms per step where ``real`` keeps them."""
-    kept = {k: len(getattr(real, k)) for k in ("gaps_ms", "switched", "host_ms")}
+    kept = {k: len(getattr(real, k)) for k in ("gaps_ms", "switched", "host_ms", "os_stats") if hasattr(real, k)}
     switches, out = real.switches, []
     for k, unit in enumerate(units(trials, gaps_ms)):
         for variant in variants[k % len(variants) :] + variants[: k % len(variants)]:
@@ -103,13 +103,14 @@ def replay(
                 slot_ms = {s: round(statistics.median(v), 4) for s, v in m.slot_ms.items() if s in FORWARDS and v}
                 out.append({"unit": k, "i": i, "phase": trials[i].phase, "variant": variant, "slot_ms": slot_ms})
                 out[-1]["host_ms"] = {s: v for s, v in host.items() if s in FORWARDS} if host else None
+                out[-1]["os"] = real.os_stats[-1] if getattr(real, "os_stats", None) else None
     for k, n in kept.items():
         del getattr(real, k)[n:]
     real.switches = switches
     return out
 
 
-def searched(trials: list, gaps_ms: list[float], host_ms: list) -> list[dict]:
+def searched(trials: list, gaps_ms: list[float], host_ms: list, os_stats: list | None = None) -> list[dict]:
     """The search's own trials of the replayed units, as :func:`replay`'s records (variant ``search``)."""
     out = []
     for k, unit in enumerate(units(trials, gaps_ms)):
@@ -117,7 +118,8 @@ def searched(trials: list, gaps_ms: list[float], host_ms: list) -> list[dict]:
             t, host = trials[i], host_ms[i] if i < len(host_ms) else None
             slot_ms = {s: round(v, 4) for s, v in t.slot_ms.items() if s in FORWARDS}
             rec = {"unit": k, "i": i, "phase": t.phase, "variant": "search", "slot_ms": slot_ms}
-            out.append(rec | {"host_ms": {s: v for s, v in host.items() if s in FORWARDS} if host else None})
+            rec["host_ms"] = {s: v for s, v in host.items() if s in FORWARDS} if host else None
+            out.append(rec | {"os": os_stats[i] if os_stats and i < len(os_stats) else None})
     return out
 
 
@@ -173,6 +175,38 @@ def table(summary: dict[str, dict[str, dict[str, list[float]]]]) -> list[str]:
     return lines
 
 
+def os_lines(records: list[dict]) -> list[str]:
+    """Per variant and kind of trial (``--host-trace``): the thread over the measured steps, per step, ms: wall, user
+    and system CPU; context switches per trial (voluntary, involuntary); the trials that ended on another core than
+    they began on; the cores seen; and in ``qkv.fwd`` and ``proj.fwd`` the thread's CPU ms against its host ms."""
+    lines = []
+    for variant in dict.fromkeys(r["variant"] for r in records):
+        for phase in ("recheck", "bracket"):
+            mine = [r for r in records if r["variant"] == variant and r["phase"] == phase and r.get("os")]
+            if not mine:
+                continue
+            o = [r["os"] for r in mine]
+
+            def mean(f: Callable[[dict], float], o: list[dict] = o) -> float:
+                return statistics.fmean(f(x) for x in o)
+
+            moved = sum(x["cores"][0] != x["cores"][1] for x in o)
+            cores = sorted({c for x in o for c in x["cores"]})
+            split = [
+                f"{s} cpu {mean(lambda x, s=s: x['cpu_ms'].get(s, math.nan)):.2f} of host "
+                f"{statistics.fmean(r['host_ms'][s] for r in mine if r['host_ms']):.2f}"
+                for s in ("qkv.fwd", "proj.fwd")
+                if all(r["host_ms"] and s in r["host_ms"] for r in mine)
+            ]
+            lines.append(
+                f"{variant} {'looks' if phase == 'recheck' else 'brackets'} ({len(o)}): wall {mean(lambda x: x['wall_ms']):.2f}, "
+                f"user {mean(lambda x: x['user_ms']):.2f}, sys {mean(lambda x: x['sys_ms']):.2f} ms per step; "
+                f"switches {mean(lambda x: x['vcsw']):.1f} / {mean(lambda x: x['ivcsw']):.1f}; moved core {moved}; "
+                f"cores {cores}; " + "; ".join(split)
+            )
+    return lines
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("paths", nargs="+", help="search_on_real_steps.json files or folders holding them")
@@ -184,6 +218,7 @@ def main() -> None:
         where = "/".join(Path(run["file"]).parent.parts[-2:]) if "file" in run else ""
         print(f"\n{where} seed {run.get('seed')}")
         print("\n".join(table(summarize(records))))
+        print("\n".join(os_lines(records)))
 
 
 if __name__ == "__main__":

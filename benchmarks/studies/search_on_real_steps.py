@@ -90,7 +90,8 @@ class Delays:
     slot runs in a step is counted on real steps (:meth:`count`): a recomputed forward (activation recompute) runs
     twice, and an MoE model's dense fc1/fc2 only in its dense layers. With ``host_trace`` (``--host-trace``; no
     pre-hook otherwise), while ``host`` is a dict each forward slot adds the host seconds its module calls take to it
-    (from a pre-hook to the forward hook: Python and kernel launches)."""
+    (from a pre-hook to the forward hook: Python and kernel launches), and ``cpu`` the thread's CPU seconds in them (less
+    than the host's where the thread waited: blocked in a launch, or not on a core)."""
 
     def __init__(self, modules: list, calls_per_step: int, ms_per_cycle: float, host_trace: bool = False):
         from megatron_tp_overlap.engine.measure import _first_tensor, module_node
@@ -101,7 +102,8 @@ class Delays:
         self.counting: dict[str, int] | None = None
         self.host_trace = host_trace
         self.host: dict[str, float] | None = None  # slot -> host seconds in its module calls (``--host-trace``)
-        began: dict[str, float] = {}
+        self.cpu: dict[str, float] = {}  # slot -> the thread's CPU seconds in them (while ``host`` is a dict)
+        began: dict[str, tuple[float, float]] = {}
         import torch
 
         def sleep(slot: str) -> None:
@@ -113,15 +115,16 @@ class Delays:
         def pre(prefix: str):
             def hook(module, args):
                 if self.host is not None:
-                    began[prefix] = time.perf_counter()
+                    began[prefix] = time.perf_counter(), time.thread_time()
 
             return hook
 
         def fwd(prefix: str):
             def hook(module, args, out):
                 if self.host is not None and prefix in began:
-                    slot = f"{prefix}.fwd"
-                    self.host[slot] = self.host.get(slot, 0.0) + time.perf_counter() - began.pop(prefix)
+                    slot, (wall, cpu) = f"{prefix}.fwd", began.pop(prefix)
+                    self.host[slot] = self.host.get(slot, 0.0) + time.perf_counter() - wall
+                    self.cpu[slot] = self.cpu.get(slot, 0.0) + time.thread_time() - cpu
                 sleep(f"{prefix}.fwd")
                 t = _first_tensor(out)
                 node = module_node(t) if t is not None and t.requires_grad else None
@@ -145,6 +148,31 @@ class Delays:
     def set(self, slot_ms: dict[str, float]) -> None:
         """Per slot, the extra GPU ms of one step (spread over the slot's calls in a step)."""
         self.cycles = {s: int(ms / self.slot_calls.get(s, self.calls) / self.per_cycle) for s, ms in slot_ms.items()}
+
+
+def thread_os() -> dict[str, float]:
+    """The calling thread's core now and its counters (``getrusage(RUSAGE_THREAD)``): user and system CPU seconds,
+    voluntary and involuntary context switches. Linux only."""
+    import resource
+
+    with open("/proc/thread-self/stat") as f:
+        core = int(f.read().rsplit(")", 1)[1].split()[36])  # field 39, "processor"
+    r = resource.getrusage(resource.RUSAGE_THREAD)
+    return {"core": core, "user": r.ru_utime, "sys": r.ru_stime, "vcsw": r.ru_nvcsw, "ivcsw": r.ru_nivcsw}
+
+
+def os_delta(before: dict[str, float], after: dict[str, float], wall_s: float, steps: int) -> dict:
+    """What the thread did over a trial's measured steps: its core at the start and the end, user and system CPU ms
+    per step against the wall's, and its context switches (voluntary: it waited; involuntary: it was preempted)."""
+    per = 1000 / max(steps, 1)
+    return {
+        "cores": [before["core"], after["core"]],
+        "wall_ms": round(per * wall_s, 3),
+        "user_ms": round(per * (after["user"] - before["user"]), 3),
+        "sys_ms": round(per * (after["sys"] - before["sys"]), 3),
+        "vcsw": after["vcsw"] - before["vcsw"],
+        "ivcsw": after["ivcsw"] - before["ivcsw"],
+    }
 
 
 @contextlib.contextmanager
@@ -182,6 +210,7 @@ class RealSteps:
         self.idle_s, self.scale, self.busy = idle_s, scale, busy  # busy: the switch spins (``--switch-busy``)
         self.gc_off = gc_off  # no automatic garbage collection through a trial's steps (``--gc-off``)
         self.host_ms: list[dict[str, float] | None] = []
+        self.os_stats: list[dict | None] = []  # per call with ``--host-trace``: os_delta of its measured steps
         self.world, self.live, self.t0, self.switches = None, None, 0.0, 0
         self.gaps_ms: list[float] = []  # per call, the host ms since the last call ended: the search's own work
         self.switched: list[bool] = []  # per call, whether a simulated switch came first
@@ -189,7 +218,7 @@ class RealSteps:
 
     def start(self, world) -> None:
         self.world, self.live, self.t0, self.switches = world, None, time.perf_counter(), 0
-        self.gaps_ms, self.switched, self.ended, self.host_ms = [], [], self.t0, []
+        self.gaps_ms, self.switched, self.ended, self.host_ms, self.os_stats = [], [], self.t0, [], []
 
     def slot_excess_ms(self, config) -> dict[str, float]:
         """A GEMM's excess spread over the slots it runs in (a shared expert runs fc1/fc2's configs): the step's
@@ -253,10 +282,18 @@ class RealSteps:
         with gc_paused(self.gc_off):
             for _ in range(warmup):
                 self.steps.step()
-            self.delays.host = {} if self.delays.host_trace else None  # per call, its forward slots' host ms
+            traced = self.delays.host_trace
+            self.delays.host, self.delays.cpu = ({} if traced else None), {}  # per call, its forward slots' host ms
+            before, t_steps = thread_os() if traced else None, time.perf_counter()
             slot_ms, step_ms = self._timed(n)
+            wall = time.perf_counter() - t_steps
         host, self.delays.host = self.delays.host, None
         self.host_ms.append({s: round(1000 * v / max(n, 1), 4) for s, v in host.items()} if host is not None else None)
+        if before is not None:
+            cpu = {s: round(1000 * v / max(n, 1), 4) for s, v in self.delays.cpu.items()}
+            self.os_stats.append(os_delta(before, thread_os(), wall, n) | {"cpu_ms": cpu})
+        else:
+            self.os_stats.append(None)
         now = self.ended = time.perf_counter()
         return Measurement(slot_ms, step_ms, now - self.t0, n + warmup, now - t)
 
@@ -416,7 +453,7 @@ def one_search(
             import look_replay
 
             n = len(res.trials)
-            replayed = look_replay.searched(res.trials, real.gaps_ms[:n], real.host_ms[:n])
+            replayed = look_replay.searched(res.trials, real.gaps_ms[:n], real.host_ms[:n], real.os_stats[:n])
             replayed += look_replay.replay(real, res.trials, real.gaps_ms[:n], replay, options.warmup_steps, deadline)
     on_steps += [gain_on_steps(real, ref, best)] if gain > 0 else []
     ref_ms, chosen_ms = world.step_ms(ref), world.step_ms(res.best)
@@ -499,6 +536,8 @@ def one_search(
         # per slot the chosen config leaves a delay in, what that delay shows at its size after the search
         **(miss_checks(real, pick, missed, options) if missed else dict.fromkeys(MISS_CHECKS, {})),
         "look_replay": replayed or None,  # ``--replay-looks`` (look_replay.py)
+        # ``--host-trace``: per trial, the thread's core, CPU time and context switches over its measured steps
+        "trial_os": os_stats[: len(res.trials)] if any(os_stats := getattr(real, "os_stats", [])) else None,
     }
 
 
