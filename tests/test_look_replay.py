@@ -173,3 +173,6 @@ def test_os_lines_give_the_threads_time_switches_and_cores_per_kind_of_trial():
         "cores [3, 4, 5]; qkv.fwd cpu 1.80 of host 2.00; proj.fwd cpu 1.40 of host 1.50"
     ]
     assert lr.os_lines([rec("same", "bracket", [1, 1], 40.0) | {"os": None}]) == []
+    faulted = rec("same", "bracket", [1, 1], 40.0)
+    faulted["os"] |= {"faults": 120.0, "proc_faults": 300.0, "proc_sys_ms": 1.25}
+    assert lr.os_lines([faulted])[0].endswith("; faults 120 per step (process: 300, system 1.25 ms)")

@@ -823,7 +823,9 @@ def test_a_call_of_real_steps_keeps_its_forward_host_ms_per_measured_step_only_w
         assert real.host_ms == [kept] and delays.host is None
         # ... and the thread's core and counters over the measured steps, with the same switch
         assert (real.os_stats[0] or {}).keys() == (
-            {"cores", "wall_ms", "user_ms", "sys_ms", "vcsw", "ivcsw", "cpu_ms"} if on else set()
+            {"cores", "wall_ms", "user_ms", "sys_ms", "vcsw", "ivcsw", "faults", "proc_sys_ms", "proc_faults", "cpu_ms"}
+            if on
+            else set()
         )
 
 
@@ -838,5 +840,18 @@ def test_os_delta_gives_a_trials_cpu_time_and_switches_per_step_against_the_wall
         "vcsw": 4,
         "ivcsw": 3,
     }
+    faulted = before | {"faults": 100, "proc_sys": 2.0, "proc_faults": 400}
+    d = sr.os_delta(faulted, after | {"faults": 140, "proc_sys": 2.006, "proc_faults": 500}, 0.020, 4)
+    assert (d["faults"], d["proc_sys_ms"], d["proc_faults"]) == (10.0, 1.5, 25.0)  # per step
     now = sr.thread_os()  # this thread's, on Linux
     assert now["core"] in os.sched_getaffinity(0) and now["user"] >= 0 and now["ivcsw"] >= 0
+    assert now["proc_faults"] >= now["faults"] >= 0
+
+
+def test_settle_malloc_takes_glibcs_settings_and_the_flags_reach_the_gpu_job(monkeypatch):
+    """``--malloc-settle``: glibc takes both ``mallopt`` settings (this process keeps its freed memory from here on:
+    harmless); it and ``--replay-looks`` reach the GPU job."""
+    assert sr.settle_malloc() is True
+    assert "--malloc-settle" in _gpu_job(monkeypatch, "--malloc-settle")
+    cmd = _gpu_job(monkeypatch, "--replay-looks", "same", "swap")
+    assert cmd[cmd.index("--replay-looks") :][:3] == ["--replay-looks", "same", "swap"]

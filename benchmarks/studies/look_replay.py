@@ -178,7 +178,8 @@ def table(summary: dict[str, dict[str, dict[str, list[float]]]]) -> list[str]:
 def os_lines(records: list[dict]) -> list[str]:
     """Per variant and kind of trial (``--host-trace``): the thread over the measured steps, per step, ms: wall, user
     and system CPU; context switches per trial (voluntary, involuntary); the trials that ended on another core than
-    they began on; the cores seen; and in ``qkv.fwd`` and ``proj.fwd`` the thread's CPU ms against its host ms."""
+    they began on; the cores seen; in ``qkv.fwd`` and ``proj.fwd`` the thread's CPU ms against its host ms; and where
+    kept, minor page faults per step, the thread's and the process's, and the process's system ms."""
     lines = []
     for variant in dict.fromkeys(r["variant"] for r in records):
         for phase in ("recheck", "bracket"):
@@ -202,7 +203,14 @@ def os_lines(records: list[dict]) -> list[str]:
                 f"{variant} {'looks' if phase == 'recheck' else 'brackets'} ({len(o)}): wall {mean(lambda x: x['wall_ms']):.2f}, "
                 f"user {mean(lambda x: x['user_ms']):.2f}, sys {mean(lambda x: x['sys_ms']):.2f} ms per step; "
                 f"switches {mean(lambda x: x['vcsw']):.1f} / {mean(lambda x: x['ivcsw']):.1f}; moved core {moved}; "
-                f"cores {cores}; " + "; ".join(split)
+                f"cores {cores}; "
+                + "; ".join(split)
+                + (
+                    f"; faults {mean(lambda x: x['faults']):.0f} per step (process: {mean(lambda x: x['proc_faults']):.0f}, "
+                    f"system {mean(lambda x: x['proc_sys_ms']):.2f} ms)"
+                    if all("faults" in x for x in o)
+                    else ""
+                )
             )
     return lines
 

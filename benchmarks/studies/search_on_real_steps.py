@@ -152,20 +152,33 @@ class Delays:
 
 def thread_os() -> dict[str, float]:
     """The calling thread's core now and its counters (``getrusage(RUSAGE_THREAD)``): user and system CPU seconds,
-    voluntary and involuntary context switches. Linux only."""
+    voluntary and involuntary context switches, minor page faults; and the process's (every thread's: the backward
+    runs on autograd's device thread) system CPU seconds and minor page faults. Linux only."""
     import resource
 
     with open("/proc/thread-self/stat") as f:
         core = int(f.read().rsplit(")", 1)[1].split()[36])  # field 39, "processor"
-    r = resource.getrusage(resource.RUSAGE_THREAD)
-    return {"core": core, "user": r.ru_utime, "sys": r.ru_stime, "vcsw": r.ru_nvcsw, "ivcsw": r.ru_nivcsw}
+    r, p = resource.getrusage(resource.RUSAGE_THREAD), resource.getrusage(resource.RUSAGE_SELF)
+    return {
+        "core": core,
+        "user": r.ru_utime,
+        "sys": r.ru_stime,
+        "vcsw": r.ru_nvcsw,
+        "ivcsw": r.ru_nivcsw,
+        "faults": r.ru_minflt,
+        "proc_sys": p.ru_stime,
+        "proc_faults": p.ru_minflt,
+    }
 
 
 def os_delta(before: dict[str, float], after: dict[str, float], wall_s: float, steps: int) -> dict:
     """What the thread did over a trial's measured steps: its core at the start and the end, user and system CPU ms
-    per step against the wall's, and its context switches (voluntary: it waited; involuntary: it was preempted)."""
+    per step against the wall's, and its context switches (voluntary: it waited; involuntary: it was preempted); per
+    step its minor page faults, and the process's system CPU ms and faults (on 2 x H200 the thread's system time was
+    0.8-1.2 ms per step in a search's trials and 0.2-0.35 in the same trials replayed after it: results/
+    2026-11-30_h200x2h/ rp2)."""
     per = 1000 / max(steps, 1)
-    return {
+    out = {
         "cores": [before["core"], after["core"]],
         "wall_ms": round(per * wall_s, 3),
         "user_ms": round(per * (after["user"] - before["user"]), 3),
@@ -173,6 +186,26 @@ def os_delta(before: dict[str, float], after: dict[str, float], wall_s: float, s
         "vcsw": after["vcsw"] - before["vcsw"],
         "ivcsw": after["ivcsw"] - before["ivcsw"],
     }
+    if "faults" in before:
+        out["faults"] = round((after["faults"] - before["faults"]) / max(steps, 1), 1)
+        out["proc_sys_ms"] = round(per * (after["proc_sys"] - before["proc_sys"]), 3)
+        out["proc_faults"] = round((after["proc_faults"] - before["proc_faults"]) / max(steps, 1), 1)
+    return out
+
+
+def settle_malloc() -> bool:
+    """glibc's allocator keeps what is freed (``mallopt``: no trim of the heap's top back to the system, a fixed mmap
+    threshold of 32 MiB): do the trials' steps then fault their pages in less, and does a look then read as its
+    brackets? (In a search the thread's system time was 3-4x that of the same trials replayed after it:
+    results/2026-11-30_h200x2h/.) Whether glibc took both settings."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3  # malloc.h
+    return libc.mallopt(m_trim_threshold, 1 << 30) == 1 and libc.mallopt(m_mmap_threshold, 32 << 20) == 1
 
 
 @contextlib.contextmanager
@@ -672,6 +705,7 @@ def inner(
     gc_off: bool = False,
     host_trace: bool = False,
     replay: tuple[str, ...] = (),
+    malloc_settle: bool = False,
 ) -> None:
     import megatron.training.training as training
     import torch
@@ -685,6 +719,7 @@ def inner(
     from megatron_tp_overlap.tools.research import decision_sim as sim
 
     t_start = time.perf_counter()
+    settled = settle_malloc() if malloc_settle else None  # before Megatron allocates anything
 
     def train(forward_step_func, model, optimizer, scheduler, data_iterator, *rest, **kw):
         steps = MegatronSteps(
@@ -702,7 +737,7 @@ def inner(
         step_ms = statistics.median(gpu_ms(steps.step) for _ in range(10))
         real = RealSteps(steps, modules, topo, delays, idle_s, step_ms / sim.STEP_MS, switch_busy, gc_off)
         result = {"megatron_args": argv[1:], "step_ms": step_ms, "ms_per_cycle": delays.per_cycle, "idle_s": idle_s}
-        result["switch_busy"], result["gc_off"] = switch_busy, gc_off
+        result["switch_busy"], result["gc_off"], result["malloc_settled"] = switch_busy, gc_off, settled
         result["trial_microbatches"] = steps.n_mb
         result["slots"], result["slot_calls_per_step"] = topo.slots(), calls
         result["preset"], result["variants"] = preset, list(variants)
@@ -835,6 +870,11 @@ def main() -> None:
     )
     p.add_argument(
         "--gc-off", action="store_true", help="no automatic garbage collection through each trial's steps (gc_paused)"
+    )
+    p.add_argument(
+        "--malloc-settle",
+        action="store_true",
+        help="glibc keeps freed memory for the whole run (settle_malloc: no trim, a fixed mmap threshold)",
     )
     p.add_argument(
         "--host-trace",
@@ -988,6 +1028,7 @@ def main() -> None:
             a.gc_off,
             a.host_trace,
             tuple(a.replay_looks),
+            a.malloc_settle,
         )
         return
     from megatron_autotune import FP8_ARGS, one_gpu_args, parse_model_shape
@@ -1007,6 +1048,7 @@ def main() -> None:
     cmd += ["--gc-off"] if a.gc_off else []
     cmd += ["--host-trace"] if a.host_trace else []
     cmd += ["--replay-looks", *a.replay_looks] if a.replay_looks else []
+    cmd += ["--malloc-settle"] if a.malloc_settle else []
     variants = a.variants + [f"select_passes={n}" for n in a.select_passes]
     for v in variants:
         try:
