@@ -172,11 +172,11 @@ def thread_os() -> dict[str, float]:
 
 
 def os_delta(before: dict[str, float], after: dict[str, float], wall_s: float, steps: int) -> dict:
-    """What the thread did over a trial's measured steps: its core at the start and the end, user and system CPU ms
-    per step against the wall's, and its context switches (voluntary: it waited; involuntary: it was preempted); per
-    step its minor page faults, and the process's system CPU ms and faults (on 2 x H200 the thread's system time was
-    0.8-1.2 ms per step in a search's trials and 0.2-0.35 in the same trials replayed after it: results/
-    2026-11-30_h200x2h/ rp2)."""
+    """What the thread did over a trial's measured steps (and the device sync that ends them): its core at the start
+    and the end, user and system CPU ms per step against the wall's, and its context switches (voluntary: it waited;
+    involuntary: it was preempted); per step its minor page faults, and the process's system CPU ms and faults (on
+    2 x H200 the thread's system time was 0.97-1.54 ms per step in a search's trials and 0.25-0.35 in the same trials
+    replayed after it: results/2026-11-30_h200x2h/ rp2)."""
     per = 1000 / max(steps, 1)
     out = {
         "cores": [before["core"], after["core"]],
