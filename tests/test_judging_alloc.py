@@ -13,7 +13,8 @@ from megatron_tp_overlap.engine.search import SearchOptions  # noqa: E402
 
 def test_each_gap_is_named_by_the_trials_on_its_sides_and_the_search_is_left_as_it_was():
     run = search.Searcher._run
-    r = ja.gaps("iid", 1, options=SearchOptions(max_seconds=12))
+    r, held = ja.gaps("iid", 1, options=SearchOptions(max_seconds=12))
+    assert held > 0
     assert search.Searcher._run is run and not tracemalloc.is_tracing()
     assert r[("baseline", "screen")]["n"] == 1  # the first gap: after the baseline, before the screening
     assert {a for a, _ in r} >= {"baseline", "screen", "bracket"} and all(x["n"] >= 1 for x in r.values())

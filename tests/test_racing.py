@@ -514,3 +514,24 @@ def test_a_host_bound_forward_gains_a_run_only_what_its_gpu_bound_steps_show():
         best = sim.best_config(world, space, ref, run.true_step_ms)
         seen[scenario] = round(100 * (1 - run.true_step_ms(best) / run.true_step_ms(ref)), 3)
     assert seen == {"hostbusy": 0.273, "hostmax": 0.737, "iid": 1.157}
+
+
+def test_the_searcher_holds_the_pooled_spreads_columns_and_the_trial_differences_of_its_last_trial_count_only(
+    monkeypatch,
+):
+    """Keyed by the trials run so far, each new trial's pooled spread (its columns of step differences) and trial
+    differences were kept for every count before it: ~10 MB of a 180 s decision_sim search (results/
+    2026-11-30_h200x2h/). Only the last are kept; the search's outcome is the same (the other tests pin it)."""
+    searchers = []
+    run = Searcher.run
+
+    def kept(self, *a, **k):
+        searchers.append(self)
+        return run(self, *a, **k)
+
+    monkeypatch.setattr(Searcher, "run", kept)
+    sim.run_once("hostglm", 0.0, 3, SearchOptions(max_seconds=40))
+    cache = searchers[0]._cache
+    sigma = [k for k in cache if k[0] == "sigma"]
+    assert sigma == [cache[("sigma_now",)]] and sigma[0][1] > 40  # the last count it was asked at
+    assert [k for k in cache if k[0] == "tau_diffs"] == [cache[("tau_diffs_now",)]]

@@ -29,9 +29,10 @@ def _own(snapshot: tracemalloc.Snapshot) -> tracemalloc.Snapshot:
     )
 
 
-def gaps(scenario: str, seed: int, gain: float = 0.0, options=None) -> dict[tuple[str, str], dict]:
-    """One ``decision_sim`` search, per gap (previous trial's phase, next trial's phase): ``n``, ``peak_kb`` (mean,
-    max) and ``grew_kb`` (source line -> KB per gap, its five largest)."""
+def gaps(scenario: str, seed: int, gain: float = 0.0, options=None) -> tuple[dict[tuple[str, str], dict], float]:
+    """One ``decision_sim`` search: per gap (previous trial's phase, next trial's phase) ``n``, ``peak_kb`` (mean,
+    max) and ``grew_kb`` (source line -> KB per gap, its five largest); and the KB held after its last trial (the
+    searcher's, less this study's snapshot)."""
     n: collections.Counter = collections.Counter()
     peaks: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
     grew: dict[tuple[str, str], collections.Counter] = collections.defaultdict(collections.Counter)
@@ -47,8 +48,10 @@ def gaps(scenario: str, seed: int, gain: float = 0.0, options=None) -> dict[tupl
                 if d.size_diff > 0:
                     grew[key][f"{os.path.basename(d.traceback[0].filename)}:{d.traceback[0].lineno}"] += d.size_diff
         t = original(self, phase, config, tested, steps, warmup)
-        tracemalloc.reset_peak()
+        state["snap"] = None  # the last one freed first, then the new one counted in what is held
+        state["searcher"] = tracemalloc.get_traced_memory()[0]  # without a snapshot of ours
         state.update(prev=phase, snap=_own(tracemalloc.take_snapshot()), held=tracemalloc.get_traced_memory()[0])
+        tracemalloc.reset_peak()
         return t
 
     search.Searcher._run = traced
@@ -58,7 +61,7 @@ def gaps(scenario: str, seed: int, gain: float = 0.0, options=None) -> dict[tupl
     finally:
         tracemalloc.stop()
         search.Searcher._run = original
-    return {
+    per_gap = {
         key: {
             "n": count,
             "peak_kb": [round(sum(peaks[key]) / count, 1), round(max(peaks[key]), 1)],
@@ -66,6 +69,7 @@ def gaps(scenario: str, seed: int, gain: float = 0.0, options=None) -> dict[tupl
         }
         for key, count in n.items()
     }
+    return per_gap, round(state["searcher"] / 1024, 1)
 
 
 def lines(result: dict[tuple[str, str], dict]) -> list[str]:
@@ -83,7 +87,8 @@ def main() -> None:
     p.add_argument("--scenario", default="hostglm", choices=sim.SCENARIOS)
     p.add_argument("--seed", type=int, default=3)
     a = p.parse_args()
-    print("\n".join(lines(gaps(a.scenario, a.seed))))
+    per_gap, held = gaps(a.scenario, a.seed)
+    print("\n".join(lines(per_gap)) + f"\n\nheld after the last trial: {held:.0f} KB")
 
 
 if __name__ == "__main__":

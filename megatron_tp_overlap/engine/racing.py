@@ -149,8 +149,10 @@ class Racing(rest_scaling.RestScaling):
             norm, groups = self._rest_norm(incumbent), trial_effect.incumbent_runs(self.trials)
             # the differences change only with the groups' trials and the scaling (most new trials are racing's)
             at = (sum(map(len, groups)), norm and (norm[0], tuple(norm[1].items())), self._floor_tops_keyed()[1])
-            if ("tau_diffs", at) not in self._cache:
+            if ("tau_diffs", at) not in self._cache:  # the last ones only (one asked for again is made again)
+                self._cache.pop(self._cache.get(("tau_diffs_now",)), None)
                 self._cache[("tau_diffs", at)] = trial_effect.slot_diffs(groups, lambda t: self._scaled(t, norm))
+                self._cache[("tau_diffs_now",)] = ("tau_diffs", at)
             diffs = self._cache[("tau_diffs", at)]
             self._cache[key] = trial_effect.taus_of(diffs, self._sigma(), self.opt.trial_own_diffs)
         return self._cache[key]
@@ -356,7 +358,9 @@ class Racing(rest_scaling.RestScaling):
                 if acc[1].key:
                     cols[s] = acc[1].arrays()
             pooled = stats.positional_sd_columns(*(np.concatenate(x) for x in zip(*cols.values()))) if cols else 0.0
-            self._cache[key] = pooled, cols
+            # the columns of fewer trials are never asked for again: kept, every trial's held its own (10 MB a search)
+            self._cache.pop(self._cache.get(("sigma_now",)), None)
+            self._cache[key], self._cache[("sigma_now",)] = (pooled, cols), key
         pooled, cols = self._cache[key]
         if slot is None or len(cols[slot][0] if slot in cols else ()) < MIN_SLOT_PAIRS:
             return pooled
