@@ -848,10 +848,16 @@ def test_os_delta_gives_a_trials_cpu_time_and_switches_per_step_against_the_wall
     assert now["proc_faults"] >= now["faults"] >= 0
 
 
-def test_settle_malloc_takes_glibcs_settings_and_the_flags_reach_the_gpu_job(monkeypatch):
+def test_settle_malloc_takes_glibcs_settings_and_the_flags_reach_the_gpu_job(monkeypatch, capsys):
     """``--malloc-settle``: glibc takes both ``mallopt`` settings (this process keeps its freed memory from here on:
-    harmless); it and ``--replay-looks`` reach the GPU job."""
+    harmless); it and ``--replay-looks`` reach the GPU job; where glibc does not take it, it is refused."""
     assert sr.settle_malloc() is True
     assert "--malloc-settle" in _gpu_job(monkeypatch, "--malloc-settle")
+    monkeypatch.setattr(sr, "settle_malloc", lambda: False)  # not glibc: one line, exit 2, no GPU job
+    with pytest.raises(SystemExit) as e:
+        _gpu_job(monkeypatch, "--malloc-settle")
+    assert e.value.code == 2 and capsys.readouterr().err.strip().splitlines() == [
+        "--malloc-settle: glibc's mallopt did not take it (not glibc?); run without it"
+    ]
     cmd = _gpu_job(monkeypatch, "--replay-looks", "same", "swap")
     assert cmd[cmd.index("--replay-looks") :][:3] == ["--replay-looks", "same", "swap"]

@@ -719,7 +719,7 @@ def inner(
     from megatron_tp_overlap.tools.research import decision_sim as sim
 
     t_start = time.perf_counter()
-    settled = settle_malloc() if malloc_settle else None  # before Megatron allocates anything
+    settled = settle_malloc() if malloc_settle else None  # before Megatron allocates anything (main checked glibc)
 
     def train(forward_step_func, model, optimizer, scheduler, data_iterator, *rest, **kw):
         steps = MegatronSteps(
@@ -858,6 +858,7 @@ def table(result: dict) -> str:
 
 
 def main() -> None:
+    from look_replay import VARIANTS
     from megatron_autotune import add_trial_microbatches
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
@@ -968,8 +969,8 @@ def main() -> None:
         nargs="+",
         default=[],
         metavar="VARIANT",
-        help="after each search, replay its looks per call in these variants until --minutes (look_replay.py: "
-        "same, incumbent, swap)",
+        help=f"after each search, replay its looks per call in these variants until --minutes (look_replay.py: "
+        f"{', '.join(VARIANTS)})",
     )
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     add_trial_microbatches(p)
@@ -1001,8 +1002,9 @@ def main() -> None:
     if a.repeat < 1:
         print(f"--repeat {a.repeat}: must be at least 1 (searches of each world)", file=sys.stderr)
         sys.exit(2)
-    from look_replay import VARIANTS
-
+    if a.malloc_settle and not settle_malloc():  # refused here, not run unsettled on the GPU
+        print("--malloc-settle: glibc's mallopt did not take it (not glibc?); run without it", file=sys.stderr)
+        sys.exit(2)
     if unknown := [v for v in a.replay_looks if v not in VARIANTS]:
         print(f"--replay-looks {unknown[0]!r}: not a variant; variants are {', '.join(VARIANTS)}", file=sys.stderr)
         sys.exit(2)
