@@ -739,7 +739,9 @@ def inner(
             steps.step()
         calls = delays.count(steps.step)
         step_ms = statistics.median(gpu_ms(steps.step) for _ in range(10))
-        real = RealSteps(steps, modules, topo, delays, idle_s, step_ms / sim.STEP_MS, switch_busy, gc_off, reserve_mib)
+        real = RealSteps(
+            steps, modules, topo, delays, idle_s, step_ms / sim.STEP_MS, switch_busy, gc_off, reserve_mib
+        )
         result = {"megatron_args": argv[1:], "step_ms": step_ms, "ms_per_cycle": delays.per_cycle, "idle_s": idle_s}
         result["switch_busy"], result["gc_off"], result["malloc_settled"] = switch_busy, gc_off, settled
         result["heap_reserve_mib"] = reserve_mib
