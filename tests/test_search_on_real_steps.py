@@ -92,7 +92,7 @@ def test_an_moe_models_shared_experts_get_their_own_slots_and_the_delays_still_s
 class SimulatedReal:
     """RealSteps' interface over the simulator's steps of ``scenario``."""
 
-    topo, scale, reserve_mib = sim.TOPO, 1.0, 0  # no heap reserve: the simulated steps make no temporaries
+    topo, scale = sim.TOPO, 1.0
 
     def __init__(self, scenario: str = "iid", seed: int = 7):
         self.scenario, self.seed = scenario, seed
@@ -861,19 +861,3 @@ def test_settle_malloc_takes_glibcs_settings_and_the_flags_reach_the_gpu_job(mon
     ]
     cmd = _gpu_job(monkeypatch, "--replay-looks", "same", "swap")
     assert cmd[cmd.index("--replay-looks") :][:3] == ["--replay-looks", "same", "swap"]
-
-
-def test_the_heap_reserve_reaches_the_gpu_job_and_a_negative_one_is_refused(monkeypatch, capsys):
-    """``--heap-reserve-mib``: tuning's reserve by default (``engine.heap.RESERVE_MIB``), 0 for none (the arenas
-    mapped and unmapped by the steps, as before); a negative one is refused in one line, exit 2, no GPU job."""
-    from megatron_tp_overlap.engine import heap
-
-    cmd = _gpu_job(monkeypatch)
-    assert cmd[cmd.index("--heap-reserve-mib") + 1] == str(heap.RESERVE_MIB)
-    cmd = _gpu_job(monkeypatch, "--heap-reserve-mib", "0")
-    assert cmd[cmd.index("--heap-reserve-mib") + 1] == "0"
-    with pytest.raises(SystemExit) as e:
-        _gpu_job(monkeypatch, "--heap-reserve-mib", "-1")
-    assert e.value.code == 2 and capsys.readouterr().err.strip().splitlines() == [
-        "--heap-reserve-mib -1: must be at least 0 (MiB; 0: no reserve)"
-    ]

@@ -238,11 +238,8 @@ class RealSteps:
         scale: float,
         busy: bool = False,
         gc_off: bool = False,
-        reserve_mib: int | None = None,
     ):
         self.steps, self.modules, self.topo, self.delays = steps, modules, topo, delays
-        # MiB of the heap's reserve while a search runs (``--heap-reserve-mib``; None: heap.held's default)
-        self.reserve_mib = reserve_mib
         self.idle_s, self.scale, self.busy = idle_s, scale, busy  # busy: the switch spins (``--switch-busy``)
         self.gc_off = gc_off  # no automatic garbage collection through a trial's steps (``--gc-off``)
         self.host_ms: list[dict[str, float] | None] = []
@@ -441,7 +438,7 @@ def miss_checks(real: RealSteps, pick: dict, missed: list[str], options) -> dict
 
     out = {"miss_shown": miss_shown(lambda w: real.measure_of(pick[w], MISS_STEPS), missed)}
     out["miss_in_trials"] = miss_shown(trials("best", "chosen"), missed)
-    with heap.held(real.reserve_mib):
+    with heap.frozen():
         out["miss_in_trials_frozen"] = miss_shown(trials("best", "chosen"), missed)
     out["miss_in_trials_on_reference"] = miss_shown(trials("best on reference", "reference"), missed)
     return out
@@ -481,7 +478,7 @@ def one_search(
     real.world = world  # the gain as whole steps show it, just before the search and just after
     on_steps = [gain_on_steps(real, ref, best)] if gain > 0 else []
     real.start(world)
-    with heap.held(real.reserve_mib):  # as tuning does
+    with heap.frozen():  # as tuning does
         say = lambda line: print(f"[seed {seed}] {line}", flush=True)  # noqa: E731 - the search's own lines
         res = Searcher(real.topo, space, real, sim.CTX, options, log=say).run(ref, baselines)
         replayed = []
@@ -709,7 +706,6 @@ def inner(
     host_trace: bool = False,
     replay: tuple[str, ...] = (),
     malloc_settle: bool = False,
-    reserve_mib: int | None = None,
 ) -> None:
     import megatron.training.training as training
     import torch
@@ -739,12 +735,9 @@ def inner(
             steps.step()
         calls = delays.count(steps.step)
         step_ms = statistics.median(gpu_ms(steps.step) for _ in range(10))
-        real = RealSteps(
-            steps, modules, topo, delays, idle_s, step_ms / sim.STEP_MS, switch_busy, gc_off, reserve_mib
-        )
+        real = RealSteps(steps, modules, topo, delays, idle_s, step_ms / sim.STEP_MS, switch_busy, gc_off)
         result = {"megatron_args": argv[1:], "step_ms": step_ms, "ms_per_cycle": delays.per_cycle, "idle_s": idle_s}
         result["switch_busy"], result["gc_off"], result["malloc_settled"] = switch_busy, gc_off, settled
-        result["heap_reserve_mib"] = reserve_mib
         result["trial_microbatches"] = steps.n_mb
         result["slots"], result["slot_calls_per_step"] = topo.slots(), calls
         result["preset"], result["variants"] = preset, list(variants)
@@ -868,8 +861,6 @@ def main() -> None:
     from look_replay import VARIANTS
     from megatron_autotune import add_trial_microbatches
 
-    from megatron_tp_overlap.engine import heap
-
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--script", help="Megatron-LM's pretrain_gpt.py (core_v0.19.0)")
     p.add_argument("--runs", type=int, default=40, help="searches at most (seeds alternate: gain, equal)")
@@ -885,12 +876,6 @@ def main() -> None:
         "--malloc-settle",
         action="store_true",
         help="glibc keeps freed memory for the whole run (settle_malloc: no trim, a fixed mmap threshold)",
-    )
-    p.add_argument(
-        "--heap-reserve-mib",
-        type=int,
-        default=heap.RESERVE_MIB,
-        help="MiB of Python arenas kept mapped while a search runs, as tuning keeps them (engine.heap.reserved; 0: none)",
     )
     p.add_argument(
         "--host-trace",
@@ -1020,9 +1005,6 @@ def main() -> None:
     if a.malloc_settle and not settle_malloc():  # refused here, not run unsettled on the GPU
         print("--malloc-settle: glibc's mallopt did not take it (not glibc?); run without it", file=sys.stderr)
         sys.exit(2)
-    if a.heap_reserve_mib < 0:
-        print(f"--heap-reserve-mib {a.heap_reserve_mib}: must be at least 0 (MiB; 0: no reserve)", file=sys.stderr)
-        sys.exit(2)
     if unknown := [v for v in a.replay_looks if v not in VARIANTS]:
         print(f"--replay-looks {unknown[0]!r}: not a variant; variants are {', '.join(VARIANTS)}", file=sys.stderr)
         sys.exit(2)
@@ -1049,7 +1031,6 @@ def main() -> None:
             a.host_trace,
             tuple(a.replay_looks),
             a.malloc_settle,
-            a.heap_reserve_mib,
         )
         return
     from megatron_autotune import FP8_ARGS, one_gpu_args, parse_model_shape
@@ -1070,7 +1051,6 @@ def main() -> None:
     cmd += ["--host-trace"] if a.host_trace else []
     cmd += ["--replay-looks", *a.replay_looks] if a.replay_looks else []
     cmd += ["--malloc-settle"] if a.malloc_settle else []
-    cmd += ["--heap-reserve-mib", str(a.heap_reserve_mib)]
     variants = a.variants + [f"select_passes={n}" for n in a.select_passes]
     for v in variants:
         try:

@@ -289,7 +289,7 @@ class Autotuner(NumericsGuard):
         return {cfg.label: cfg}
 
     def tune(self) -> TuneResult:
-        with heap.held(), self.agreeing():  # switches collect past the framework's objects; steps map no arenas
+        with heap.frozen(), self.agreeing():  # each switch's garbage collection skips the framework's objects
             return self._tune()
 
     @contextlib.contextmanager

@@ -120,7 +120,7 @@ class InRunVerification:
     on_verdict: Callable[[Verdict], None] = lambda v: None
     log: Callable[..., None] = print
     reference_name: str = "the starting config"
-    hold_heap: Callable[[], contextlib.AbstractContextManager] = heap.held  # from the first iteration to the verdict
+    hold_heap: Callable[[], contextlib.AbstractContextManager] = heap.frozen  # from the first iteration to the verdict
     order: list[int] = field(init=False)
     times_ms: list[float] = field(init=False, default_factory=list)
     verdict: Verdict | None = field(init=False, default=None)
