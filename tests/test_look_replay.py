@@ -176,3 +176,7 @@ def test_os_lines_give_the_threads_time_switches_and_cores_per_kind_of_trial():
     faulted = rec("same", "bracket", [1, 1], 40.0)
     faulted["os"] |= {"faults": 120.0, "proc_faults": 300.0, "proc_sys_ms": 1.25}
     assert lr.os_lines([faulted])[0].endswith("; faults 120 per step (process: 300, system 1.25 ms)")
+    faulted["os"]["faults_in"] = {"qkv.fwd": 10.0, "proj.fwd": 31.5, "fc1.fwd": 2.0, "fc2.fwd": 0.0}
+    assert lr.os_lines([faulted])[0].endswith(
+        "(process: 300, system 1.25 ms); in qkv.fwd 10, proj.fwd 32, fc1.fwd 2, fc2.fwd 0"
+    )

@@ -814,19 +814,24 @@ def test_a_call_of_real_steps_keeps_its_forward_host_ms_per_measured_step_only_w
         delays.host_trace = on
         real = sr.RealSteps(Steps(), [], None, delays, 0.0, 1.0)
         monkeypatch.setattr(real, "slot_excess_ms", lambda config: {})
-        monkeypatch.setattr(
-            real,
-            "_timed",
-            lambda n: (delays.host is not None and delays.host.update({"qkv.fwd": 0.006}), ({}, [1.0] * n))[1],
-        )
+
+        def timed(n: int):  # the measured steps: 6 ms of host time and 7 faults in qkv.fwd in all
+            if delays.host is not None:
+                delays.host["qkv.fwd"], delays.faults["qkv.fwd"] = 0.006, 7
+            return {}, [1.0] * n
+
+        monkeypatch.setattr(real, "_timed", timed)
         real("config", 2, 1)
         assert real.host_ms == [kept] and delays.host is None
         # ... and the thread's core and counters over the measured steps, with the same switch
         assert (real.os_stats[0] or {}).keys() == (
-            {"cores", "wall_ms", "user_ms", "sys_ms", "vcsw", "ivcsw", "faults", "proc_sys_ms", "proc_faults", "cpu_ms"}
+            {"cores", "wall_ms", "user_ms", "sys_ms", "vcsw", "ivcsw", "faults", "proc_sys_ms", "proc_faults"}
+            | {"cpu_ms", "faults_in"}
             if on
             else set()
         )
+        if on:  # per measured step
+            assert real.os_stats[0]["faults_in"] == {"qkv.fwd": 3.5}
 
 
 def test_os_delta_gives_a_trials_cpu_time_and_switches_per_step_against_the_wall():

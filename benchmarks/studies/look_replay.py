@@ -211,6 +211,12 @@ def os_lines(records: list[dict]) -> list[str]:
                     if all("faults" in x for x in o)
                     else ""
                 )
+                + (
+                    "; in "
+                    + ", ".join(f"{s} {mean(lambda x, s=s: x['faults_in'].get(s, math.nan)):.0f}" for s in FORWARDS)
+                    if all("faults_in" in x for x in o)
+                    else ""
+                )
             )
     return lines
 

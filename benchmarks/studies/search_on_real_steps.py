@@ -90,8 +90,10 @@ class Delays:
     slot runs in a step is counted on real steps (:meth:`count`): a recomputed forward (activation recompute) runs
     twice, and an MoE model's dense fc1/fc2 only in its dense layers. With ``host_trace`` (``--host-trace``; no
     pre-hook otherwise), while ``host`` is a dict each forward slot adds the host seconds its module calls take to it
-    (from a pre-hook to the forward hook: Python and kernel launches), and ``cpu`` the thread's CPU seconds in them (less
-    than the host's where the thread waited: blocked in a launch, or not on a core)."""
+    (from a pre-hook to the forward hook: Python and kernel launches), ``cpu`` the thread's CPU seconds in them (less
+    than the host's where the thread waited: blocked in a launch, or not on a core), and ``faults`` its minor page
+    faults in them (a search's trials faulted 94-225 times per step, the same trials replayed after it 8-12:
+    results/2026-11-30_h200x2i/; in which forwards?)."""
 
     def __init__(self, modules: list, calls_per_step: int, ms_per_cycle: float, host_trace: bool = False):
         from megatron_tp_overlap.engine.measure import _first_tensor, module_node
@@ -103,8 +105,14 @@ class Delays:
         self.host_trace = host_trace
         self.host: dict[str, float] | None = None  # slot -> host seconds in its module calls (``--host-trace``)
         self.cpu: dict[str, float] = {}  # slot -> the thread's CPU seconds in them (while ``host`` is a dict)
-        began: dict[str, tuple[float, float]] = {}
+        self.faults: dict[str, int] = {}  # slot -> the thread's minor page faults in them (while ``host`` is a dict)
+        began: dict[str, tuple[float, float, int]] = {}
+        import resource
+
         import torch
+
+        def minflt() -> int:
+            return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
 
         def sleep(slot: str) -> None:
             if self.counting is not None:
@@ -115,16 +123,17 @@ class Delays:
         def pre(prefix: str):
             def hook(module, args):
                 if self.host is not None:
-                    began[prefix] = time.perf_counter(), time.thread_time()
+                    began[prefix] = time.perf_counter(), time.thread_time(), minflt()
 
             return hook
 
         def fwd(prefix: str):
             def hook(module, args, out):
                 if self.host is not None and prefix in began:
-                    slot, (wall, cpu) = f"{prefix}.fwd", began.pop(prefix)
+                    slot, (wall, cpu, flt) = f"{prefix}.fwd", began.pop(prefix)
                     self.host[slot] = self.host.get(slot, 0.0) + time.perf_counter() - wall
                     self.cpu[slot] = self.cpu.get(slot, 0.0) + time.thread_time() - cpu
+                    self.faults[slot] = self.faults.get(slot, 0) + minflt() - flt
                 sleep(f"{prefix}.fwd")
                 t = _first_tensor(out)
                 node = module_node(t) if t is not None and t.requires_grad else None
@@ -316,7 +325,7 @@ class RealSteps:
             for _ in range(warmup):
                 self.steps.step()
             traced = self.delays.host_trace
-            self.delays.host, self.delays.cpu = ({} if traced else None), {}  # per call, its forward slots' host ms
+            self.delays.host, self.delays.cpu, self.delays.faults = ({} if traced else None), {}, {}  # per call
             before, t_steps = thread_os() if traced else None, time.perf_counter()
             slot_ms, step_ms = self._timed(n)
             wall = time.perf_counter() - t_steps
@@ -324,7 +333,8 @@ class RealSteps:
         self.host_ms.append({s: round(1000 * v / max(n, 1), 4) for s, v in host.items()} if host is not None else None)
         if before is not None:
             cpu = {s: round(1000 * v / max(n, 1), 4) for s, v in self.delays.cpu.items()}
-            self.os_stats.append(os_delta(before, thread_os(), wall, n) | {"cpu_ms": cpu})
+            faults = {s: round(v / max(n, 1), 1) for s, v in self.delays.faults.items()}
+            self.os_stats.append(os_delta(before, thread_os(), wall, n) | {"cpu_ms": cpu, "faults_in": faults})
         else:
             self.os_stats.append(None)
         now = self.ended = time.perf_counter()
@@ -480,14 +490,18 @@ def one_search(
     real.start(world)
     with heap.frozen():  # as tuning does
         say = lambda line: print(f"[seed {seed}] {line}", flush=True)  # noqa: E731 - the search's own lines
-        res = Searcher(real.topo, space, real, sim.CTX, options, log=say).run(ref, baselines)
+        searcher = Searcher(real.topo, space, real, sim.CTX, options, log=say)
+        res = searcher.run(ref, baselines)
         replayed = []
         if replay:  # the looks again, the search's heap and objects as they were (look_replay.py)
             import look_replay
 
             n = len(res.trials)
             replayed = look_replay.searched(res.trials, real.gaps_ms[:n], real.host_ms[:n], real.os_stats[:n])
+            # the searcher and what it holds stay alive through the replay: the steps meet the search's heap (its
+            # trials faulted 94-225 times per step, replayed with the searcher let go 8-12; results/2026-11-30_h200x2i/)
             replayed += look_replay.replay(real, res.trials, real.gaps_ms[:n], replay, options.warmup_steps, deadline)
+        del searcher
     on_steps += [gain_on_steps(real, ref, best)] if gain > 0 else []
     ref_ms, chosen_ms = world.step_ms(ref), world.step_ms(res.best)
     best_ms = world.step_ms(best)
