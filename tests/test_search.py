@@ -13,9 +13,9 @@ from megatron_tp_overlap.engine.search import (
     Searcher,
     SearchOptions,
     TrialFailed,
-    pooled_sigma,
 )
 from megatron_tp_overlap.engine.space import TuningConfig, all_off, apply, build_space, is_valid
+from megatron_tp_overlap.engine.stats import pooled_sigma
 from megatron_tp_overlap.engine.topology import build_topology, find_overlap_modules
 from megatron_tp_overlap.engine.trial import Contender
 from megatron_tp_overlap.tools.research import decision_sim as sim

@@ -33,6 +33,8 @@ from pathlib import Path
 from real_steps_bar import load_or_say  # the study's own (this folder is on sys.path)
 from trial_precedent import WORK_MS, _python
 
+from megatron_tp_overlap.engine.frames import fresh_stack
+
 VARIANTS = ("same", "incumbent", "swap")
 FORWARDS = ("qkv.fwd", "proj.fwd", "fc1.fwd", "fc2.fwd")
 
@@ -98,7 +100,7 @@ def replay(
             for i, config in plan(trials, unit, variant):
                 work(gaps_ms[i])
                 real.live = None  # a switch first, as before every trial of the search's looks
-                m = real(config, len(trials[i].step_samples), warmup)
+                m = fresh_stack(real, config, len(trials[i].step_samples), warmup)  # as the searcher calls it
                 host = real.host_ms[-1] if real.host_ms else None
                 slot_ms = {s: round(statistics.median(v), 4) for s, v in m.slot_ms.items() if s in FORWARDS and v}
                 out.append({"unit": k, "i": i, "phase": trials[i].phase, "variant": variant, "slot_ms": slot_ms})

@@ -22,10 +22,10 @@ from collections.abc import Callable
 from megatron_tp_overlap.engine import exhaustive, passes
 from megatron_tp_overlap.engine.budget import Budget
 from megatron_tp_overlap.engine.decision import FinalDecision
+from megatron_tp_overlap.engine.frames import fresh_stack
 from megatron_tp_overlap.engine.looks import Looks
 from megatron_tp_overlap.engine.racing import Racing
 from megatron_tp_overlap.engine.space import Option, TuningConfig, apply, is_valid
-from megatron_tp_overlap.engine.stats import pooled_sigma  # noqa: F401 - imported from here by tests
 from megatron_tp_overlap.engine.topology import Topology
 from megatron_tp_overlap.engine.trial import (  # noqa: F401
     Contender,
@@ -108,7 +108,7 @@ class Searcher(Racing, Looks, FinalDecision, Budget):
         before, switched = self.elapsed_s, config != self._live
         self._live = config
         try:
-            m = self.evaluate(config, steps, warmup)
+            m = fresh_stack(self.evaluate, config, steps, warmup)  # at one place of the frame stack, whoever calls
         except TrialFailed as e:
             t.error = str(e)
             self.steps_run += steps + warmup
