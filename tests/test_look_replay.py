@@ -180,3 +180,16 @@ def test_os_lines_give_the_threads_time_switches_and_cores_per_kind_of_trial():
     assert lr.os_lines([faulted])[0].endswith(
         "(process: 300, system 1.25 ms); in qkv.fwd 10, proj.fwd 32, fc1.fwd 2, fc2.fwd 0"
     )
+
+
+def test_tsv_gives_one_line_per_trial_with_its_faults_host_and_gpu_ms_per_forward():
+    os = {"faults": 110.5, "faults_in": {"qkv.fwd": 4.0, "proj.fwd": 41.0}}
+    rec = {"unit": 2, "i": 17, "phase": "bracket", "variant": "search", "slot_ms": {"qkv.fwd": 1.5}, "os": os}
+    lines = lr.tsv(
+        [rec | {"host_ms": {"qkv.fwd": 2.0}}, rec | {"variant": "same", "os": None, "host_ms": None}], "g0 7"
+    )
+    assert lines[0].split("\t")[:7] == ["where", "unit", "i", "phase", "variant", "faults", "faults:qkv.fwd"]
+    assert lines[1].split("\t") == ["g0 7", "2", "17", "bracket", "search", "110.5", "4.0", "41.0", "", ""] + [
+        "2.0", "", "", "", "1.5", "", "", ""
+    ]  # fmt: skip
+    assert lines[2].split("\t")[4:] == ["same"] + [""] * 9 + ["1.5", "", "", ""]

@@ -2,6 +2,7 @@
 
     search_on_real_steps.py ... --replay-looks same incumbent     # on the GPU, after each search
     python benchmarks/studies/look_replay.py DIR_OR_JSON [...]     # the table
+    python benchmarks/studies/look_replay.py --tsv DIR_OR_JSON ... # or one line per trial
 
 On 2 x H200 every fresh look split the attention forward apart from its brackets (``look_neighbours.py``: host-bound
 ``qkv.fwd`` and ``proj.fwd`` 0.3-1.2 ms apart, looks only, every config costing the same; results/2026-11-30_h200x2g/),
@@ -223,15 +224,36 @@ def os_lines(records: list[dict]) -> list[str]:
     return lines
 
 
+def tsv(records: list[dict], where: str = "") -> list[str]:
+    """One line per trial (tab-separated, a header first): where, unit, index, phase, variant; per step the thread's
+    minor page faults, then per forward slot its faults, host ms and GPU ms (empty where not kept)."""
+    head = ["where", "unit", "i", "phase", "variant", "faults"]
+    head += [f"{k}:{s}" for k in ("faults", "host", "gpu") for s in FORWARDS]
+    lines = ["\t".join(head)]
+    for r in records:
+        o, host = r.get("os") or {}, r.get("host_ms") or {}
+        cells = [where, r["unit"], r["i"], r["phase"], r["variant"], o.get("faults", "")]
+        cells += [(o.get("faults_in") or {}).get(s, "") for s in FORWARDS]
+        cells += [host.get(s, "") for s in FORWARDS] + [r["slot_ms"].get(s, "") for s in FORWARDS]
+        lines.append("\t".join(map(str, cells)))
+    return lines
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("paths", nargs="+", help="search_on_real_steps.json files or folders holding them")
+    p.add_argument("--tsv", action="store_true", help="the replayed units' trials, one line each (tsv), no tables")
     a = p.parse_args()
+    header = True
     for run in load_or_say(a.paths):
         records = run.get("look_replay")
         if not records:
             continue
         where = "/".join(Path(run["file"]).parent.parts[-2:]) if "file" in run else ""
+        if a.tsv:
+            print("\n".join(tsv(records, f"{where} {run.get('seed')}")[0 if header else 1 :]))
+            header = False
+            continue
         print(f"\n{where} seed {run.get('seed')}")
         print("\n".join(table(summarize(records))))
         print("\n".join(os_lines(records)))
