@@ -193,3 +193,18 @@ def test_tsv_gives_one_line_per_trial_with_its_faults_host_and_gpu_ms_per_forwar
         "2.0", "", "", "", "1.5", "", "", ""
     ]  # fmt: skip
     assert lines[2].split("\t")[4:] == ["same"] + [""] * 9 + ["1.5", "", "", ""]
+
+
+def test_phase_faults_gives_each_phases_faults_per_step_range_and_median_system_ms():
+    run = {
+        "trace": {"qkv.fwd": [["screen"], ["halving"], ["halving"], ["recheck"], ["halving"]]},
+        "trial_os": [
+            {"faults": 128.0, "sys_ms": 0.1},
+            {"faults": 132.0, "sys_ms": 1.0},
+            {"faults": 136.4, "sys_ms": 1.2},
+            None,  # not traced
+            {"faults": 133.0, "sys_ms": 0.9},
+        ],
+    }
+    assert lr.phase_faults(run) == "screen 128-128 (0.10 ms); halving 132-136 (1.00 ms)"
+    assert lr.phase_faults({"trace": {}, "trial_os": None}) == ""

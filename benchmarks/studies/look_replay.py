@@ -224,6 +224,21 @@ def os_lines(records: list[dict]) -> list[str]:
     return lines
 
 
+def phase_faults(run: dict) -> str:
+    """Per phase of a search (``--host-trace``: its ``trial_os``; the phase from its first traced slot), the thread's
+    minor page faults per step, lowest-highest over the phase's trials, and its system ms per step (median)."""
+    os_stats, trace = run.get("trial_os") or [], next(iter((run.get("trace") or {}).values()), [])
+    by: dict[str, list[dict]] = {}
+    for o, t in zip(os_stats, trace):
+        if o and "faults" in o:
+            by.setdefault(t[0], []).append(o)
+    return "; ".join(
+        f"{ph} {min(o['faults'] for o in v):.0f}-{max(o['faults'] for o in v):.0f} "
+        f"({statistics.median(o['sys_ms'] for o in v):.2f} ms)"
+        for ph, v in by.items()
+    )
+
+
 def tsv(records: list[dict], where: str = "") -> list[str]:
     """One line per trial (tab-separated, a header first): where, unit, index, phase, variant; per step the thread's
     minor page faults, then per forward slot its faults, host ms and GPU ms (empty where not kept)."""
@@ -257,6 +272,8 @@ def main() -> None:
         print(f"\n{where} seed {run.get('seed')}")
         print("\n".join(table(summarize(records))))
         print("\n".join(os_lines(records)))
+        if faults := phase_faults(run):
+            print(f"faults per step by phase (system ms per step, median): {faults}")
 
 
 if __name__ == "__main__":
