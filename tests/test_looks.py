@@ -10,7 +10,7 @@ from budgets import at_60, at_120
 
 from megatron_tp_overlap.engine.looks import Looks
 from megatron_tp_overlap.engine.search import Searcher, SearchOptions
-from megatron_tp_overlap.engine.trial import SearchResult, TrialFailed, Work
+from megatron_tp_overlap.engine.trial import SearchResult, TrialFailed
 from megatron_tp_overlap.tools.research import decision_sim as sim
 
 SLOW = (0.082, 0.2, 0.0)  # the clock of real Command-R-like trials: s per step, s per switch, s outside trials
@@ -350,68 +350,3 @@ def test_nothing_rides_along_without_an_accepted_choice_nor_under_a_quarter_of_a
         "a (+0.114 ms, 1.9 standard errors)"
     ]
     assert Stub.opt.ride_along_z == 1.5
-
-
-class _LookCalls(Looks):
-    """Looks with its trials recorded, not run: what each call of fresh looks asks for, in order."""
-
-    def __init__(self, **options):
-        self.opt, self.calls = SearchOptions(**options), []
-
-    def _can_afford(self, steps, reserve=None):
-        return True
-
-    def _run(self, phase, config, tested, steps):
-        self.calls.append((phase, steps))
-
-    def _measure_options(self, phase, incumbent, options, steps, raw, reserve, fill=False, close=True):
-        self.calls.append((phase, steps, len(options), "closed" if close else "open"))
-        return 0
-
-
-def test_balanced_looks_open_every_other_call_with_the_incumbents_bracket():
-    """``balance_looks``: on real L/M steps the looks' brackets always closed a call, right before the search's judging,
-    and read qkv.fwd apart from the looks (a qkv_fprop choice accepted in 24 of 32 searches, 5 with a part put in).
-    Every other call now opens with the bracket and ends on a look, so both take either place equally often (2: every
-    call opens with it, each trial still after a switch); by default every call closes with its bracket, as before."""
-    looks = [object(), object()]
-    default, balanced, leading = _LookCalls(), _LookCalls(balance_looks=1), _LookCalls(balance_looks=2)
-    settled, short, both = _LookCalls(balance_looks=3), _LookCalls(balance_looks=4), _LookCalls(balance_looks=5)
-    for s in (default, balanced, leading, settled, short, both):
-        for _ in range(3):
-            assert s._looks_of("incumbent", looks, {}, Work) == 0
-    assert default.calls == [("recheck", 8, 2, "closed")] * 3
-    assert balanced.calls == [
-        ("recheck", 8, 2, "closed"),
-        ("bracket", 8),
-        ("recheck", 8, 2, "open"),
-        ("recheck", 8, 2, "closed"),
-    ]
-    assert leading.calls == [("bracket", 8), ("recheck", 8, 2, "open")] * 3  # 2: every call opens with its bracket
-    # 3: a trial nothing counts opens every call (a call's first trial read proj.fwd fast on 2 x H200), then as at 0
-    assert settled.calls == [("settle", 8), ("recheck", 8, 2, "closed")] * 3
-    assert short.calls == [("settle", 1), ("recheck", 8, 2, "closed")] * 3  # 4: a settle trial of one step
-    # 5: a bracket opens and closes every call (a call's last trial read proj.fwd slow, whatever opened it)
-    assert both.calls == [("bracket", 8), ("recheck", 8, 2, "closed")] * 3
-    with pytest.raises(ValueError, match="balance_looks = 6: must be 0, 1, 2, 3, 4 or 5"):
-        SearchOptions(balance_looks=6)
-
-
-def test_a_balanced_search_opens_calls_with_a_bracket_and_decides_within_the_budget():
-    """The whole search with ``balance_looks`` on decision_sim jitter seed 43 on the slow clock: it takes the gain in
-    full within the budget. In its looks a bracket now follows a bracket (the closing one of a call, then the one that
-    opens the next), which the default never does; with 2 every call, the first too, opens with its bracket."""
-    for balance in (0, 1, 2, 3, 4, 5):
-        options = SearchOptions(balance_looks=balance)
-        out = search(options, scenario="jitter", seed=43)
-        trials = [t for t in out.searcher.trials if len(t.step_samples) == options.recheck_steps]
-        looked = [t.phase for t in trials if t.phase in ("recheck", "bracket")]
-        doubled = sum(a == b == "bracket" for a, b in zip(looked, looked[1:]))
-        assert (doubled > 0) == (balance in (1, 5)), looked
-        assert looked[0] == ("bracket" if balance in (2, 5) else "recheck"), (
-            looked
-        )  # 2, 5: the first call opens with it
-        settles = [i for i, t in enumerate(out.searcher.trials) if t.phase == "settle"]
-        assert bool(settles) == (balance in (3, 4))  # each right before a look, and counted in no comparison
-        assert all(out.searcher.trials[i + 1].phase == "recheck" for i in settles)
-        assert out.outcome.realized == 1.0 and out.outcome.seconds <= options.max_seconds

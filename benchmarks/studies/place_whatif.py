@@ -1,15 +1,15 @@
-"""What does a call's first trial reading a forward fast do to the search, and does a settle trial take it out?
+"""What does a call's first trial reading a forward fast do to the search, and does a setting take it out?
 
-    python benchmarks/studies/place_whatif.py --scenario iid --place proj.fwd=0.15 --seeds 0-99 \
-        --variants balance_looks=0 balance_looks=1 balance_looks=3
+    python benchmarks/studies/place_whatif.py --scenario iid --place proj.fwd=0.15 --seeds 0-99 --variants z=2.5 z=3.0
 
 On 2 x H200 (results/2026-11-30_h200x2e/) the first 8-step trial of a call of the looks, right after the search's
 judging, read a host-bound ``proj.fwd`` 0.30-0.52 ms (12-18%) faster than the trial after it, look or bracket alike;
 every equal world brought a choice to the final decision, and one FP8 gain was lost to an equal choice accepted so.
 decision_sim has no such effect. Here each call of looks (``Looks._looks_of``) marks the run, and the first trial of
 8 steps or more that follows reads each ``--place`` slot that share of its level faster (the step by the same ms);
-the marked trial is the call's first look, its opening bracket (``balance_looks`` 1 and 2) or its settle trial (3; at
-4 the settle trial of one step ends the mark unmoved). Per variant, over the table's gain and equal worlds of
+the marked trial is the call's first look (``balance_looks`` 1-4, since removed, put a bracket or a settle trial
+there: results/2026-11-25_cpu/decision_sim/, fifty-seventh section). The effect was the frame stack's, not the
+place's (results/2026-11-30_h200x2i/; engine/frames.py). Per variant, over the table's gain and equal worlds of
 ``--seeds``: realized mean and worst, the seeds under 80%, false winners, and the searches that accepted a choice not
 truly faster (the final decision's to catch). A malformed value ends the run with one line and exit status 2.
 """

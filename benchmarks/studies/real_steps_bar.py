@@ -179,8 +179,8 @@ def bar(runs: list[dict], seeds: int, worst: float, budget_s: float) -> list[dic
 def unfounded_lines(runs: list[dict]) -> list[str]:
     """Per dtype and variant, per GEMM: the searches that accepted a choice for it where the world had put no faster
     option in it (``world_fast``), gain and equal worlds alike: each one left for the final decision to catch. On real
-    L/M steps at b987351's defaults qkv_fprop had a choice accepted in 24 of 32 searches, a part put in in 5
-    (SearchOptions ``balance_looks``)."""
+    L/M steps at b987351's defaults qkv_fprop had a choice accepted in 24 of 32 searches, a part put in in 5; the
+    looks' host time was the frame stack's (results/2026-11-30_h200x2i/)."""
     out = []
     keyed = [((r["dtype"], options_changed(r)), r) for r in runs]
     for key in sorted({k for k, _ in keyed}):

@@ -271,7 +271,7 @@ def _less(a: list[float], b: list[float]) -> str:
 def per_trace(runs: list[dict], work_ms: float = WORK_MS) -> list[str]:
     """Per forward slot trace, and their sum (:func:`with_forward_sum`), with the search's variant: its 8-step looks'
     mean level less its 8-step brackets' (ms, +- se); where the trace has gaps and some brackets opened a call
-    (``SearchOptions.balance_looks``), also less those that closed one (the next trial followed the search's work)
+    (``balance_looks``, since removed), also less those that closed one (the next trial followed the search's work)
     and less those that opened one."""
     out = []
     for r in runs:

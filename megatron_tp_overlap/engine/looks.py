@@ -31,30 +31,11 @@ RECHECKS = 3  # fresh looks at a GEMM's leader kept in the budget (the 2nd and 3
 class Looks:
     """The fresh looks at the leaders, their threshold and what they and later phases keep of the budget (mixin)."""
 
-    look_calls = 0  # calls of fresh looks so far (``balance_looks`` alternates on it)
-
     def _looks_of(self, incumbent: TuningConfig, options: list[Option], raw: Raw, reserve: Callable[[], Work]) -> int:
-        """One call of fresh looks at ``options`` (``Searcher._measure_options`` at ``recheck_steps``): how many the
-        budget left untried. With ``balance_looks`` 1 every other call opens with the incumbent's bracket instead of
-        closing with it (a slot that reads apart right after the search's judging, or right before it, then moves
-        the looks and their brackets alike), with 2 every call does. With 3 every call opens with a trial of the
-        incumbent that nothing counts (phase ``settle``; 4: of one step): a call's first trial, right after the
-        judging, read a host-bound forward 0.3-0.5 ms fast on 2 x H200 (results/2026-11-30_h200x2e/). With 5 every
-        call opens and closes with a bracket, so that each look's incumbent level lies between one at the call's start
-        and one at its end (on real FP8 steps it did not stop equal choices being accepted where a gain was:
-        results/2026-11-30_h200x2f/)."""
-        o = self.opt
-        self.look_calls += 1
-        alternate = o.balance_looks == 1 and self.look_calls % 2 == 0
-        lead = bool(options) and (o.balance_looks in (2, 5) or alternate)
-        if lead or options and o.balance_looks in (3, 4):
-            # after this trial, the first look and the two brackets _measure_options keeps for it
-            steps = 1 if o.balance_looks == 4 else o.recheck_steps
-            if not self._can_afford(steps, reserve() + Work(3 * (o.recheck_steps + o.warmup_steps), 3)):
-                return len(options)
-            self._run("bracket" if lead else "settle", incumbent, {"*": "incumbent"}, steps)
-        close = not lead or o.balance_looks == 5
-        return self._measure_options("recheck", incumbent, options, o.recheck_steps, raw, reserve, close=close)
+        """One call of fresh looks at ``options`` (``Searcher._measure_options`` at ``recheck_steps``, a bracket
+        closing it): how many the budget left untried. (The looks' lead over their brackets on real FP8 steps, which
+        ordering a call's trials four ways did not take out, was the frame stack's: engine/frames.py.)"""
+        return self._measure_options("recheck", incumbent, options, self.opt.recheck_steps, raw, reserve)
 
     def _look(
         self,

@@ -194,14 +194,13 @@ class Searcher(Racing, Looks, FinalDecision, Budget):
         raw: dict[Option, list[tuple[Trial, list[float]]]],
         reserve: Callable[[], Work],
         fill: bool = False,
-        close: bool = True,
     ) -> int:
         """Measure ``options`` packed into trials of ``steps`` steps; the incumbent runs again (same steps)
-        after every ``bracket_every`` trials and once at the end (unless not ``close``: a bracket opened the call),
-        so that each option is compared with the incumbent at the same moment (:meth:`_relative`). ``raw``: option
-        -> [(trial, per-step score)]. ``fill``: a slot whose options all ran measures them again while the fullest
-        slot's still run (a round takes as many trials as the fullest slot has options: qkv.fwd's 5 options measured
-        once in proj.fwd's 20 trials). Returns how many options the budget left untried."""
+        after every ``bracket_every`` trials and once at the end, so that each option is compared with the
+        incumbent at the same moment (:meth:`_relative`). ``raw``: option -> [(trial, per-step score)]. ``fill``: a
+        slot whose options all ran measures them again while the fullest slot's still run (a round takes as many
+        trials as the fullest slot has options: qkv.fwd's 5 options measured once in proj.fwd's 20 trials).
+        Returns how many options the budget left untried."""
         o = self.opt
         queue = list(options)
         fillers = list(options) if fill else None
@@ -247,7 +246,7 @@ class Searcher(Racing, Looks, FinalDecision, Budget):
             )
             if not t.error:
                 record(t, [opt])
-        if since and close:
+        if since:
             self._run("bracket", incumbent, {"*": "incumbent"}, steps)
         return untried
 

@@ -189,18 +189,6 @@ class SearchOptions:
     # the true option, third in line, had none (the issue's third idea: a runoff among the best few). On 200 seeds it
     # took hostglm 176 (75.9 -> 100%) and named 1.5% false winners on trial_wide (0.5% one after another)
     runners_up_in_turn: int = 0
-    # 1: every other call of fresh looks opens with the incumbent's bracket and ends on an option, so that looks and
-    # brackets take the places right after the search's judging and right before it equally often. On real L/M steps
-    # at today's defaults (2 x H200, results/2026-11-30_h200x2b/ to d/) a qkv_fprop choice was accepted in 24 of 32
-    # searches, where the world had put a faster qkv_fprop in 5, and every equal world accepted a choice (16 of 16,
-    # none named by the final decision). In each of 7 traced equal worlds of earlier trees (GLM-4-9B- and
-    # Gemma-2-27B-like FP8), where a bracket always closed a call of looks, the looks read qkv.fwd 0.04-0.68 ms below
-    # the brackets around them (the racing's trials did not). 0: a bracket closes every call. 2: every call opens with
-    # it (each trial still after a switch; 1 lets a bracket continue the one that closed the call before). 3 (4): every
-    # call opens with a trial (of 1 step) nothing counts (a call's first trial read proj.fwd fast on 2 x H200). 5: every
-    # call opens and closes with a bracket (settle trials did not stop the stray choices: results/2026-11-30_h200x2f/).
-    # Off.
-    balance_looks: int = 0
     # > 0: a slot whose steps sit at a floor with stretches well above it (a forward whose GPU waits on the host in
     # stretches) counts each step at most its floor x (1 + floor_cap): in the racing and the looks the reference's
     # 10th-percentile step, in the final decision the slower of the two configs' fastest steps in each quadruple
@@ -289,8 +277,6 @@ class SearchOptions:
         ):
             if getattr(self, k) not in (0, 1):
                 raise ValueError(f"{k} = {getattr(self, k)}: must be 0 or 1")
-        if self.balance_looks not in range(6):
-            raise ValueError(f"balance_looks = {self.balance_looks}: must be 0, 1, 2, 3, 4 or 5")
         if self.trial_own_diffs < 0:
             raise ValueError(f"trial_own_diffs = {self.trial_own_diffs}: must be >= 0 (0: the pooled test only)")
         for k in ("rest_beta_max", "floor_beta_max"):
