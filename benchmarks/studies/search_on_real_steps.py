@@ -92,8 +92,8 @@ class Delays:
     pre-hook otherwise), while ``host`` is a dict each forward slot adds the host seconds its module calls take to it
     (from a pre-hook to the forward hook: Python and kernel launches), ``cpu`` the thread's CPU seconds in them (less
     than the host's where the thread waited: blocked in a launch, or not on a core), and ``faults`` its minor page
-    faults in them (a search's trials faulted 94-225 times per step, the same trials replayed after it 8-12:
-    results/2026-11-30_h200x2i/; in which forwards?)."""
+    faults in them (a search's trials faulted 94-225 times per step, the same trials replayed after it 8-12, in
+    `proj.fwd`, `fc1.fwd` and `fc2.fwd` by the kind of trial: the frame stack's, results/2026-11-30_h200x2i/)."""
 
     def __init__(self, modules: list, calls_per_step: int, ms_per_cycle: float, host_trace: bool = False):
         from megatron_tp_overlap.engine.measure import _first_tensor, module_node
