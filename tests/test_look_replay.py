@@ -208,3 +208,11 @@ def test_phase_faults_gives_each_phases_faults_per_step_range_and_median_system_
     }
     assert lr.phase_faults(run) == "screen 128-128 (0.10 ms); halving 132-136 (1.00 ms)"
     assert lr.phase_faults({"trace": {}, "trial_os": None}) == ""
+
+
+def test_bracket_levels_split_the_incumbents_brackets_by_the_call_they_close():
+    rows = [["halving", 0, 2.0], ["bracket", 1, 1.5], ["recheck", 2, 1.0], ["bracket", 3, 1.2], ["screen", 4, 9.0]]
+    rows += [["bracket", 5, 7.0], ["halving", 6, 2.0], ["bracket", 7, 1.7]]  # a bracket after screening: neither
+    lines = lr.bracket_levels({"trace": {"proj.fwd": rows, "qkv.bwd": rows, "fc1.fwd": rows[:2]}})
+    assert lines == ["proj.fwd brackets closing racing rounds 1.600 ms (2), calls of looks 1.200 (1): -0.400"]
+    assert lr.bracket_levels({}) == []

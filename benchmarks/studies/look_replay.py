@@ -239,6 +239,25 @@ def phase_faults(run: dict) -> str:
     )
 
 
+def bracket_levels(run: dict) -> list[str]:
+    """Per traced forward slot, the incumbent's brackets by the call they close (a racing round's or a call of looks'):
+    their mean level (the trace's median ms per trial), how many, and the looks' less the racing's. Every bracket runs
+    the same config; before ``engine/frames.fresh_stack`` each kind of call ran its trials from its own depth."""
+    out = []
+    for slot, rows in (run.get("trace") or {}).items():
+        by: dict[str, list[float]] = {}
+        for before, row in zip(rows, rows[1:]):
+            if row[0] == "bracket" and before[0] in ("halving", "recheck"):
+                by.setdefault(before[0], []).append(row[2])
+        if slot in FORWARDS and all(by.get(k) for k in ("halving", "recheck")):
+            h, k = statistics.fmean(by["halving"]), statistics.fmean(by["recheck"])
+            out.append(
+                f"{slot} brackets closing racing rounds {h:.3f} ms ({len(by['halving'])}), calls of looks {k:.3f} "
+                f"({len(by['recheck'])}): {k - h:+.3f}"
+            )
+    return out
+
+
 def tsv(records: list[dict], where: str = "") -> list[str]:
     """One line per trial (tab-separated, a header first): where, unit, index, phase, variant; per step the thread's
     minor page faults, then per forward slot its faults, host ms and GPU ms (empty where not kept)."""
@@ -274,6 +293,7 @@ def main() -> None:
         print("\n".join(os_lines(records)))
         if faults := phase_faults(run):
             print(f"faults per step by phase (system ms per step, median): {faults}")
+        print("\n".join(bracket_levels(run)))
 
 
 if __name__ == "__main__":
