@@ -695,60 +695,10 @@ def _gpu_job(monkeypatch, *flags: str) -> list[str]:
     return got[0]
 
 
-def test_gc_off_pauses_automatic_collection_through_a_trials_steps_and_reaches_the_gpu_job(monkeypatch):
-    """``--gc-off``: no automatic garbage collection while a trial's warm-up and measured steps run (where a
-    collection lands moves a host-bound forward's time between its slots), enabled again after; a collector the
-    caller had disabled stays disabled. It reaches the GPU job, as ``--host-trace`` and ``--precedent-kinds`` do."""
-    import gc
-
-    seen = []
-    assert gc.isenabled()
-    with sr.gc_paused(True):
-        seen.append(gc.isenabled())
-    with sr.gc_paused(False):
-        seen.append(gc.isenabled())
-    gc.disable()
-    try:
-        with sr.gc_paused(True):
-            pass
-        seen.append(gc.isenabled())
-    finally:
-        gc.enable()
-    assert seen == [False, True, False] and gc.isenabled()
-
-    assert "--gc-off" in _gpu_job(monkeypatch, "--gc-off") and "--host-trace" in _gpu_job(monkeypatch, "--host-trace")
+def test_host_trace_and_precedent_kinds_reach_the_gpu_job(monkeypatch):
+    assert "--host-trace" in _gpu_job(monkeypatch, "--host-trace")
     cmd = _gpu_job(monkeypatch, "--precedent", "2", "--precedent-kinds", "python", "other-first")
     assert cmd[cmd.index("--precedent-kinds") :][:3] == ["--precedent-kinds", "python", "other-first"]
-
-
-def test_a_trial_on_real_steps_runs_its_warm_up_and_measured_steps_with_the_collector_paused(monkeypatch):
-    import gc
-
-    import trial_noise
-
-    pytest.importorskip("torch")
-    from megatron_tp_overlap.engine.search import Measurement
-
-    seen: list[tuple[str, bool]] = []
-
-    class Steps:
-        def step(self) -> None:
-            seen.append(("warm-up", gc.isenabled()))
-
-    class Delays:
-        host_trace = False
-
-        def set(self, slot_ms) -> None:
-            seen.append(("switch", gc.isenabled()))
-
-    monkeypatch.setattr(trial_noise, "simulated_switch", lambda idle_s, busy=False: None)
-    for off in (True, False):
-        real = sr.RealSteps(Steps(), [], None, Delays(), 0.0, 1.0, gc_off=off)
-        monkeypatch.setattr(real, "slot_excess_ms", lambda config: {})
-        monkeypatch.setattr(real, "_timed", lambda n: (seen.append(("measured", gc.isenabled())), ({}, [1.0] * n))[1])
-        seen.clear()
-        assert isinstance(real("config", 2, 1), Measurement)
-        assert seen == [("switch", True), ("warm-up", not off), ("measured", not off)] and gc.isenabled()
 
 
 def test_host_trace_keeps_each_forward_slots_host_ms_per_step_in_the_traced_rows(monkeypatch):
@@ -853,16 +803,6 @@ def test_os_delta_gives_a_trials_cpu_time_and_switches_per_step_against_the_wall
     assert now["proc_faults"] >= now["faults"] >= 0
 
 
-def test_settle_malloc_takes_glibcs_settings_and_the_flags_reach_the_gpu_job(monkeypatch, capsys):
-    """``--malloc-settle``: glibc takes both ``mallopt`` settings (this process keeps its freed memory from here on:
-    harmless); it and ``--replay-looks`` reach the GPU job; where glibc does not take it, it is refused."""
-    assert sr.settle_malloc() is True
-    assert "--malloc-settle" in _gpu_job(monkeypatch, "--malloc-settle")
-    monkeypatch.setattr(sr, "settle_malloc", lambda: False)  # not glibc: one line, exit 2, no GPU job
-    with pytest.raises(SystemExit) as e:
-        _gpu_job(monkeypatch, "--malloc-settle")
-    assert e.value.code == 2 and capsys.readouterr().err.strip().splitlines() == [
-        "--malloc-settle: glibc's mallopt did not take it (not glibc?); run without it"
-    ]
+def test_replay_looks_reaches_the_gpu_job(monkeypatch):
     cmd = _gpu_job(monkeypatch, "--replay-looks", "same", "swap")
     assert cmd[cmd.index("--replay-looks") :][:3] == ["--replay-looks", "same", "swap"]

@@ -29,14 +29,14 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
-from noise_streams import parse_seeds  # the studies' own (this folder is on sys.path)
+from look_replay import FORWARDS  # the studies' own (this folder is on sys.path)
+from noise_streams import parse_seeds
 from search_on_real_steps import parse_variant
 
 from megatron_tp_overlap.engine.search import SearchOptions
 from megatron_tp_overlap.tools.research import decision_sim as sim
 from megatron_tp_overlap.tools.research import disturbances as dist
 
-FORWARDS = ("qkv.fwd", "proj.fwd", "fc1.fwd", "fc2.fwd")
 FIELDS = ("rest_scaled_by", "trial_level_pct", "step_spread_pct")
 
 

@@ -36,9 +36,7 @@ max_steps=400 max_steps=0``: the old 400-step limit against the seconds alone.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
-import gc
 import json
 import math
 import os
@@ -47,7 +45,6 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -202,38 +199,6 @@ def os_delta(before: dict[str, float], after: dict[str, float], wall_s: float, s
     return out
 
 
-def settle_malloc() -> bool:
-    """glibc's allocator keeps what is freed (``mallopt``: no trim of the heap's top back to the system, a fixed mmap
-    threshold of 32 MiB): do the trials' steps then fault their pages in less, and does a look then read as its
-    brackets? (In a search the thread's system time was 3-4x that of the same trials replayed after it:
-    results/2026-11-30_h200x2h/.) Whether glibc took both settings."""
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return False
-    m_trim_threshold, m_mmap_threshold = -1, -3  # malloc.h
-    return libc.mallopt(m_trim_threshold, 1 << 30) == 1 and libc.mallopt(m_mmap_threshold, 32 << 20) == 1
-
-
-@contextlib.contextmanager
-def gc_paused(paused: bool) -> Iterator[None]:
-    """With ``paused``, no automatic garbage collection inside (``gc.disable``; the next switch collects). A collection
-    lands where the allocations since the last one reach the threshold, and the host's allocations before a trial
-    differ by config: could that split a look's forward apart from its brackets' (on 2 x H200 qkv.fwd about 1 ms over
-    proj.fwd against about 0, trial for trial, every config costing the same)? Paused, the first looks still read
-    qkv.fwd 1.0-1.7 ms over their brackets (results/2026-11-30_h200x2g/ gc1, one short search)."""
-    if not paused or not gc.isenabled():
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
-
-
 class RealSteps:
     """``evaluate`` for the searcher on real steps; a config's cost is the world's, put in by ``Delays``."""
 
@@ -246,11 +211,9 @@ class RealSteps:
         idle_s: float,
         scale: float,
         busy: bool = False,
-        gc_off: bool = False,
     ):
         self.steps, self.modules, self.topo, self.delays = steps, modules, topo, delays
         self.idle_s, self.scale, self.busy = idle_s, scale, busy  # busy: the switch spins (``--switch-busy``)
-        self.gc_off = gc_off  # no automatic garbage collection through a trial's steps (``--gc-off``)
         self.host_ms: list[dict[str, float] | None] = []
         self.os_stats: list[dict | None] = []  # per call with ``--host-trace``: os_delta of its measured steps
         self.world, self.live, self.t0, self.switches = None, None, 0.0, 0
@@ -321,14 +284,13 @@ class RealSteps:
             simulated_switch(self.idle_s, self.busy)
             self.delays.set(self.slot_excess_ms(config))
             self.live, self.switches = config, self.switches + 1
-        with gc_paused(self.gc_off):
-            for _ in range(warmup):
-                self.steps.step()
-            traced = self.delays.host_trace
-            self.delays.host, self.delays.cpu, self.delays.faults = ({} if traced else None), {}, {}  # per call
-            before, t_steps = thread_os() if traced else None, time.perf_counter()
-            slot_ms, step_ms = self._timed(n)
-            wall = time.perf_counter() - t_steps
+        for _ in range(warmup):
+            self.steps.step()
+        traced = self.delays.host_trace
+        self.delays.host, self.delays.cpu, self.delays.faults = ({} if traced else None), {}, {}  # per call
+        before, t_steps = thread_os() if traced else None, time.perf_counter()
+        slot_ms, step_ms = self._timed(n)
+        wall = time.perf_counter() - t_steps
         host, self.delays.host = self.delays.host, None
         self.host_ms.append({s: round(1000 * v / max(n, 1), 4) for s, v in host.items()} if host is not None else None)
         if before is not None:
@@ -716,10 +678,8 @@ def inner(
     precedent: tuple[int, float, tuple[str, ...]] = (0, 0.0, ()),
     trace: tuple[str, ...] = (),
     switch_busy: bool = False,
-    gc_off: bool = False,
     host_trace: bool = False,
     replay: tuple[str, ...] = (),
-    malloc_settle: bool = False,
 ) -> None:
     import megatron.training.training as training
     import torch
@@ -733,7 +693,6 @@ def inner(
     from megatron_tp_overlap.tools.research import decision_sim as sim
 
     t_start = time.perf_counter()
-    settled = settle_malloc() if malloc_settle else None  # before Megatron allocates anything (main checked glibc)
 
     def train(forward_step_func, model, optimizer, scheduler, data_iterator, *rest, **kw):
         steps = MegatronSteps(
@@ -749,9 +708,9 @@ def inner(
             steps.step()
         calls = delays.count(steps.step)
         step_ms = statistics.median(gpu_ms(steps.step) for _ in range(10))
-        real = RealSteps(steps, modules, topo, delays, idle_s, step_ms / sim.STEP_MS, switch_busy, gc_off)
+        real = RealSteps(steps, modules, topo, delays, idle_s, step_ms / sim.STEP_MS, switch_busy)
         result = {"megatron_args": argv[1:], "step_ms": step_ms, "ms_per_cycle": delays.per_cycle, "idle_s": idle_s}
-        result["switch_busy"], result["gc_off"], result["malloc_settled"] = switch_busy, gc_off, settled
+        result["switch_busy"] = switch_busy
         result["trial_microbatches"] = steps.n_mb
         result["slots"], result["slot_calls_per_step"] = topo.slots(), calls
         result["preset"], result["variants"] = preset, list(variants)
@@ -884,14 +843,6 @@ def main() -> None:
         "--switch-busy", action="store_true", help="the simulated switch spins through --idle-s (default: it sleeps)"
     )
     p.add_argument(
-        "--gc-off", action="store_true", help="no automatic garbage collection through each trial's steps (gc_paused)"
-    )
-    p.add_argument(
-        "--malloc-settle",
-        action="store_true",
-        help="glibc keeps freed memory for the whole run (settle_malloc: no trim, a fixed mmap threshold)",
-    )
-    p.add_argument(
         "--host-trace",
         action="store_true",
         help="traced trials also keep the host ms of each forward slot's module calls per step (Delays.host)",
@@ -1016,9 +967,6 @@ def main() -> None:
     if a.repeat < 1:
         print(f"--repeat {a.repeat}: must be at least 1 (searches of each world)", file=sys.stderr)
         sys.exit(2)
-    if a.malloc_settle and not settle_malloc():  # refused here, not run unsettled on the GPU
-        print("--malloc-settle: glibc's mallopt did not take it (not glibc?); run without it", file=sys.stderr)
-        sys.exit(2)
     if unknown := [v for v in a.replay_looks if v not in VARIANTS]:
         print(f"--replay-looks {unknown[0]!r}: not a variant; variants are {', '.join(VARIANTS)}", file=sys.stderr)
         sys.exit(2)
@@ -1041,10 +989,8 @@ def main() -> None:
             (a.precedent, a.precedent_work_ms, tuple(a.precedent_kinds)),
             tuple(a.trace),
             a.switch_busy,
-            a.gc_off,
             a.host_trace,
             tuple(a.replay_looks),
-            a.malloc_settle,
         )
         return
     from megatron_autotune import FP8_ARGS, one_gpu_args, parse_model_shape
@@ -1061,10 +1007,8 @@ def main() -> None:
     cmd += ["--trace", *a.trace] if a.trace else []
     cmd += ["--precedent-kinds", *a.precedent_kinds] if a.precedent_kinds else []
     cmd += ["--switch-busy"] if a.switch_busy else []
-    cmd += ["--gc-off"] if a.gc_off else []
     cmd += ["--host-trace"] if a.host_trace else []
     cmd += ["--replay-looks", *a.replay_looks] if a.replay_looks else []
-    cmd += ["--malloc-settle"] if a.malloc_settle else []
     variants = a.variants + [f"select_passes={n}" for n in a.select_passes]
     for v in variants:
         try:
