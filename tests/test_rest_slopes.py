@@ -67,7 +67,8 @@ def test_hostrest_takes_the_gains_the_clipped_slopes_and_the_unscaled_decision_l
 
 def test_the_rest_slopes_study_reads_a_trace_as_the_search_fits_it(tmp_path, capsys, monkeypatch):
     """``benchmarks/studies/rest_slopes.py`` over a search's ``trace`` rows (phase, position, median, put-in delay,
-    every slot's delays, the slot's steps, the rest's steps): the steps less the delay, the search's own slope fit."""
+    every slot's delays, the slot's steps, the rest's steps): the steps less the delay, the search's own slope fit;
+    and the rest's own spreads, between trials and between steps."""
     import json
     import sys
     from pathlib import Path
@@ -83,7 +84,10 @@ def test_the_rest_slopes_study_reads_a_trace_as_the_search_fits_it(tmp_path, cap
     (tmp_path / "search_on_real_steps.json").write_text(json.dumps({"runs": [{"seed": 7, "trace": {"qkv.fwd": rows}}]}))
     monkeypatch.setattr(sys, "argv", ["rest_slopes.py", str(tmp_path)])
     rest_slopes.main()
-    assert "| 7  | `qkv.fwd` | 30 | 3.4 / 3.0 | 28.6% / 20.4% / 3.8% / 3.8% |" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "| 7  | `qkv.fwd` | 30 | 3.4 / 3.0 | 28.6% / 20.4% / 3.8% / 3.8% |" in out
+    # the rest itself, drawn 8% apart between trials and 3% between steps (as hostrest): 30 trials of 4 steps read so
+    assert "| 7  | 30 | 59.98 | 9.2% | 2.7% |" in out
 
 
 def test_a_whole_step_slower_by_chance_no_longer_keeps_the_reference_at_99():

@@ -6,7 +6,9 @@ each step's relative change on the rest's within a trial, unclipped here), the s
 and the relative spread of the trials' medians (put-in delays taken out) unscaled, scaled at slope 1 (the cap until
 issue 46's forty-seventh session), at the fitted slope capped at ``--cap`` and uncapped. The question it answered:
 real L- and M-shaped FP8 forwards moved 1.8-5.6x the rest, so the cap of 1 left most of what they share with it
-(``SearchOptions.rest_beta_max``; benchmarks/results/2026-11-25_cpu/decision_sim/, forty-seventh section).
+(``SearchOptions.rest_beta_max``; benchmarks/results/2026-11-25_cpu/decision_sim/, forty-seventh section). A second
+table gives the rest itself per search: its trials' medians apart and its steps apart within a trial (relative sd),
+what decision_sim ``hostrest`` draws (``disturbances.REST_SPREAD``).
 
     python benchmarks/studies/rest_slopes.py DIR_OR_JSON ... [--cap N]
 """
@@ -48,6 +50,14 @@ def trial_slope(trials: list[SimpleNamespace]) -> float:
     return statistics.linear_regression([c / mc for c in cs], [y / my for y in ys]).slope
 
 
+def rest_spreads(trials: list[SimpleNamespace]) -> tuple[float, float, float]:
+    """The rest's median ms, its trials' medians apart (sd / median) and its steps apart within a trial (the median
+    over trials of sd / median)."""
+    levels = [statistics.median(t.rest_samples) for t in trials]
+    within = statistics.median(statistics.stdev(t.rest_samples) / statistics.median(t.rest_samples) for t in trials)
+    return statistics.median(levels), statistics.stdev(levels) / statistics.median(levels), within
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("paths", nargs="+", help="search_on_real_steps.json files or folders holding them")
@@ -60,18 +70,24 @@ def main() -> None:
         f"| search | slot | trials | slope, steps / trials | trials apart: unscaled / at 1 / at <= {a.cap:g} / fitted |"
     )
     print("|---|---|---|---|---|")
+    rests = []
     for f in files:
         for run in json.loads(f.read_text())["runs"]:
-            for slot, rows in (run.get("trace") or run.get("miss_trace") or {}).items():
+            for i, (slot, rows) in enumerate((run.get("trace") or run.get("miss_trace") or {}).items()):
                 trials = trials_of(rows)
                 if len(trials) < 10:
                     continue
+                if i == 0:  # every traced slot's rows carry the same trials' rest
+                    rests.append((f"{run['seed']} {run.get('variant') or ''}", len(trials), *rest_spreads(trials)))
                 b = rest_scaling.fit_betas(trials, most=100.0)["s"]
                 ways = [spread(trials, x) for x in (0.0, 1.0, min(b, a.cap), b)]
                 print(
                     f"| {run['seed']} {run.get('variant') or ''} | `{slot}` | {len(trials)} | {b:.1f} / "
                     f"{trial_slope(trials):.1f} | " + " / ".join(f"{100 * w:.1f}%" for w in ways) + " |"
                 )
+    print("\n| search | trials | the rest, ms | its trials apart | its steps apart |\n|---|---|---|---|---|")
+    for name, n, ms, apart, steps in rests:
+        print(f"| {name} | {n} | {ms:.2f} | {100 * apart:.1f}% | {100 * steps:.1f}% |")
 
 
 if __name__ == "__main__":
