@@ -57,14 +57,15 @@ def _kept_looks_only(look):
     return kept
 
 
-def _candidates(self, incumbent, race, raw_fresh, accepted, worlds) -> dict[str, list]:
-    """Per GEMM with nothing accepted, what may look. ``worlds``: the oracle's truth (the world being searched)."""
+def _candidates(searcher, incumbent, race, raw_fresh, accepted, worlds) -> dict[str, list]:
+    """Per GEMM with nothing accepted, what may look (``searcher``: the search, in its runners-up phase). ``worlds``:
+    the oracle's truth (the world being searched)."""
     if worlds:
         fast = worlds[-1].fast  # (gemm, option label) -> its true ms
         best = {g: min((ms, lab) for (h, lab), ms in fast.items() if h == g)[1] for g, _ in fast}
         return {x.gemm: [x] for x in race.raw if x.gemm not in accepted and best.get(x.gemm) == x.label}
-    o, worth = self.opt, self._worth(incumbent)
-    bounds = {x: b for x, e in race.raw.items() if (b := self._gain_bounds(incumbent, x, e))}
+    o, worth = searcher.opt, searcher._worth(incumbent)
+    bounds = {x: b for x, e in race.raw.items() if (b := searcher._gain_bounds(incumbent, x, e))}
     out = {}
     for gemm in dict.fromkeys(x.gemm for x in bounds):
         if gemm in accepted:
@@ -72,7 +73,7 @@ def _candidates(self, incumbent, race, raw_fresh, accepted, worlds) -> dict[str,
         mine = [
             x for x in bounds if x.gemm == gemm and x not in raw_fresh and bounds[x][0] + o.z * bounds[x][1] >= worth
         ]
-        lead = self.leaders_looked.get(gemm)
+        lead = searcher.leaders_looked.get(gemm)
         queue = ([lead] if lead is not None and raw_fresh.get(lead) else []) + sorted(mine, key=lambda x: -bounds[x][0])
         if queue := queue[: o.runners_up + (lead in queue)]:
             out[gemm] = queue
