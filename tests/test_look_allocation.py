@@ -7,6 +7,7 @@ import pytest
 from benchmark_module import BENCHMARKS, load_benchmark
 
 from megatron_tp_overlap.engine.looks import Looks
+from megatron_tp_overlap.engine.search import SearchOptions
 from megatron_tp_overlap.tools.research import decision_sim as sim
 
 sys.path.insert(0, str(BENCHMARKS / "studies"))  # the study imports its neighbours from its folder
@@ -51,11 +52,29 @@ def test_the_queue_takes_hostrest_149_that_the_defaults_leave_and_all_is_put_bac
     assert (Looks._look, Looks._runners_up, sim.make_world) == methods
 
 
+def test_the_oracle_reads_hostglm_57s_true_option_over_streams_and_puts_everything_back():
+    """With acceptance off, 57's true fc2_fprop looks 40 times in each of 3 streams of noise. The table's draw reads it
+    at 0.022 ms of its 0.219 and another at 0.146, both under a gain worth a switch (0.2 ms): the study's
+    sixty-fourth section, over 200 streams."""
+    methods = (Looks._runners_up, Looks._accepts, sim.SimulatedRun.__call__, sim.make_world)
+    r = la.oracle_reads("hostglm", 57, "fc2_fprop", 3, SearchOptions())
+    assert (Looks._runners_up, Looks._accepts, sim.SimulatedRun.__call__, sim.make_world) == methods
+    assert r["part_ms"] == 0.219 and r["streams_with_max_looks"] == 3 and r["stream_0"] == [40, 0.0224]
+    assert r["lowest_means"] == [0.0224, 0.1455, 0.2842] and r["means_under_worth"] == 2
+    assert (r["sd_of_means"], r["own_sd_over_sqrt_n"], r["reported_se"]) == (0.131, 0.0423, 0.0513)
+    assert (r["steps_per_look"], r["seconds_before_looks"]) == (18.0, 87.1)
+    assert (r["looks_for_199_of_200"], r["seconds_of_those_looks"]) == (369, 664.2)
+
+
 def test_bad_input_is_one_line_and_exit_2(capsys):
     for argv, says in (
         (["--set", "no_such_option=1"], "no_such_option"),
         (["--seeds", "x"], "x"),
         (["--allocation", "greedy"], "invalid choice: 'greedy'"),
+        (["--reads", "fc2_fprop"], "one seed"),
+        (["--reads", "fc3_fprop", "--seeds", "57"], "a GEMM of"),
+        (["--reads", "fc2_fprop", "--seeds", "57", "--streams", "1"], "at least 2"),
+        (["--reads", "qkv_fprop", "--seeds", "57"], "made only fc2_fprop, qkv_wgrad, fc1_dgrad faster"),
     ):
         with pytest.raises(SystemExit) as e:
             la.main(argv)
