@@ -179,6 +179,8 @@ def oracle_reads(scenario: str, seed: int, gemm: str, streams: int, options: Sea
                     per_stream[n0:] = [max(per_stream[n0:], key=lambda t: len(t[0]))]
                 else:
                     per_stream.append(([], math.nan))
+                if len(before_looks) == k:  # a stream whose search never reached its looks
+                    before_looks.append(math.nan)
         finally:
             Looks._runners_up, Looks._accepts, sim.SimulatedRun.__call__ = runners_up, accepts, call
     full = [(g, se) for g, se in per_stream if len(g) >= options.max_looks]
@@ -206,7 +208,7 @@ def oracle_reads(scenario: str, seed: int, gemm: str, streams: int, options: Sea
         "lag1_correlation": round(statistics.mean(lag1), 3),
         "means_under_worth": sum(m < worth for m in means),
         "steps_per_look": round(steps_per_look, 1),
-        "seconds_before_looks": round(statistics.median(before_looks), 1),
+        "seconds_before_looks": round(statistics.median(x for x in before_looks if not math.isnan(x)), 1),
         # looks at the part alone that a z-standard-error test (no floor) needs to take it in 199 of 200 streams, and
         # their seconds at decision_sim's 0.1 s a step, a look of one option being its trial and a bracket
         "looks_for_199_of_200": looks,
